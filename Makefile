@@ -1,0 +1,30 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hotspare-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo slow clean
+
+venv: $(STAMP)
+
+# Rebuilt only when the pins or the package metadata change; a no-op otherwise.
+$(STAMP): requirements.txt setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Long matrices excluded from `make test`.
+slow: venv
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) recipes/train_gpt.py
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,0 +1,14 @@
+"""hotspare: in-place failure recovery for DeepSpeed and Megatron-core training.
+
+``hotspare.initialize`` is ``deepspeed.initialize`` plus hotspare; see README.md.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def initialize(*args, **kwargs):
+    """See :func:`hotspare.integrations.deepspeed.initialize`."""
+    from .integrations.deepspeed import initialize as _initialize
+
+    return _initialize(*args, **kwargs)

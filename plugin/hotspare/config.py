@@ -1,0 +1,154 @@
+"""Typed, strictly validated configuration.
+
+Each component owns a dataclass; its fields (with their one-line docstrings) are the schema.
+``from_mapping`` builds one from a plain mapping -- the ``"hotspare"`` section of a
+DeepSpeed JSON config, or a Hydra/OmegaConf node -- and rejects unknown keys and wrong
+types with an error that names the key and what is allowed. Nothing is silently dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar, Union
+
+T = TypeVar("T")
+
+DEEPSPEED_SECTION = "hotspare"
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names it and says what is allowed."""
+
+
+@dataclass
+class HotspareConfig:
+    """The ``"hotspare"`` section of a DeepSpeed JSON config."""
+
+    enabled: bool = True
+    """Turn hotspare on. With false every hook is a no-op and training is plain DeepSpeed."""
+    events_dir: str = ""
+    """Directory for the JSON-lines event log (one file per rank); empty disables the log."""
+
+    def validate(self) -> None:
+        """Cross-field checks (single-field checks are done by the type)."""
+
+
+def check_choice(key: str, value: Any, allowed: tuple) -> None:
+    """Raise ConfigError unless ``value`` is one of ``allowed`` (schemas use this instead of Literal,
+    which OmegaConf cannot type)."""
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not allowed; expected one of {', '.join(map(repr, allowed))}")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping for {tp.__name__}"
+    if origin in (list, tuple):
+        (item, *_) = typing.get_args(tp) or (Any,)
+        return f"a list of {_type_name(item)}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` checked against type ``tp``; raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return from_mapping(tp, value, prefix=key)
+    if origin in (Union, types.UnionType):
+        for option in typing.get_args(tp):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        out = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return out if origin is list else tuple(out)
+    # bool is a subclass of int: never accept true for a count, nor 1 for a switch.
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"config schema field {key} has unsupported type {tp!r}")
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, strictly: unknown keys and wrong types raise."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: unknown key{hint}; allowed keys: {', '.join(sorted(fields))}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    missing = [n for n, f in fields.items() if n not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix or cls.__name__}: missing required key(s) {', '.join(missing)}")
+    try:
+        obj = cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a component's own __post_init__ check
+        raise ConfigError(f"{prefix or cls.__name__}: {exc}") from exc
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj
+
+
+def to_mapping(obj: Any) -> dict[str, Any]:
+    """Plain-dict form of a config dataclass (JSON-serialisable)."""
+    return dataclasses.asdict(obj)
+
+
+def split_deepspeed_config(ds_config: Mapping[str, Any] | str) -> tuple[dict[str, Any], HotspareConfig | None]:
+    """Split a DeepSpeed config (dict or JSON path) into (DeepSpeed part, validated hotspare section).
+
+    Returns ``None`` for the section when the config has none: hotspare is then off.
+    """
+    if isinstance(ds_config, str):
+        with open(ds_config, encoding="utf-8") as f:
+            ds_config = json.load(f)
+    if not isinstance(ds_config, Mapping):
+        raise ConfigError(f"DeepSpeed config must be a mapping or a JSON file path, got {type(ds_config).__name__}")
+    rest = {k: v for k, v in ds_config.items() if k != DEEPSPEED_SECTION}
+    if DEEPSPEED_SECTION not in ds_config:
+        return rest, None
+    return rest, from_mapping(HotspareConfig, ds_config[DEEPSPEED_SECTION], prefix=DEEPSPEED_SECTION)

@@ -1,0 +1,58 @@
+"""Generations: one incarnation of the process groups, rendezvoused through the control store.
+
+The control store (a TCPStore) is owned by the launcher, not by rank 0, so it outlives any
+worker. Every generation g uses its own ``PrefixStore("gen/<g>/...")``, so keys of an older
+generation never satisfy a newer rendezvous and stragglers of g are ignored by g+1.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from . import env
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The identity of one process-group incarnation as seen by one process."""
+
+    index: int
+    """Generation number; 0 at job start, +1 for every rebuild."""
+    rank: int
+    """This process's active rank in the generation."""
+    world_size: int
+    """Number of active ranks."""
+
+    @property
+    def prefix(self) -> str:
+        return f"gen/{self.index}/"
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client connection to the launcher's control store."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def store_from_env() -> dist.TCPStore:
+    """Connect to the control store named by the launcher's environment."""
+    host = os.environ.get(env.HOTSPARE_STORE_HOST) or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = env.env_int(env.HOTSPARE_STORE_PORT, env.env_int("MASTER_PORT", 0) or None)
+    return connect_store(host, port, float(os.environ.get(env.HOTSPARE_STORE_TIMEOUT_S, "60")))
+
+
+def join(store: dist.Store, gen: Generation, backend: str, timeout_s: float) -> None:
+    """Initialise the default process group for ``gen`` on its own prefix of ``store``."""
+    if dist.is_initialized():
+        raise RuntimeError("a default process group already exists; call leave() before joining a new generation")
+    dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store), rank=gen.rank,
+                            world_size=gen.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def leave() -> None:
+    """Destroy every process group of the current generation (a no-op when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

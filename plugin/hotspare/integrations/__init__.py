@@ -1,0 +1,1 @@
+"""Host-framework integrations: the only modules that import DeepSpeed or Megatron internals."""

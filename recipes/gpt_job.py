@@ -1,0 +1,204 @@
+"""The GPT smoke job shared by the recipes: its typed config schema, the DeepSpeed config it
+implies, and launching its ranks through hotspare-run.
+
+Recipes only combine what the ``hotspare`` package offers; this module is that combination
+for the GPT job, so train_gpt.py and the benchmarks describe one job the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from hotspare.config import HotspareConfig, check_choice, from_mapping, to_mapping
+from hotspare.launch import LaunchSpec, run
+from hotspare.testing.gpt import GPTConfig
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_worker.py")
+
+
+@dataclass
+class ParallelConfig:
+    """How many ranks, and how they are grouped into (logical) nodes."""
+
+    num_ranks: int = 4
+    """Active ranks (data-parallel size), all on this machine."""
+    logical_nodes: int = 2
+    """Logical nodes the ranks are split into (placement treats each as a separate machine)."""
+    store_timeout_s: float = 60.0
+    """How long a worker waits to reach the control store."""
+    collective_timeout_s: float = 120.0
+    """Timeout of the training process group's collectives."""
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"parallel.num_ranks={self.num_ranks} must be at least 1")
+        if self.logical_nodes < 1 or self.num_ranks % self.logical_nodes:
+            raise ValueError(f"parallel.logical_nodes={self.logical_nodes} must divide "
+                             f"parallel.num_ranks={self.num_ranks}")
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO settings of the job."""
+
+    stage: int = 2
+    """ZeRO stage: 1, 2 or 3."""
+    dtype: str = "fp32"
+    """Weight/compute dtype: fp32, or bf16 (fp32 master weights under bf16 weights)."""
+    reduce_bucket_size: int = 1_000_000
+    """Elements per gradient-reduction bucket. DeepSpeed's 5e8 default allocates GBs per step on CPU."""
+    allgather_bucket_size: int = 1_000_000
+    """Elements per all-gather bucket (ZeRO 1/2)."""
+
+    def __post_init__(self) -> None:
+        check_choice("zero.stage", self.stage, (1, 2, 3))
+        check_choice("zero.dtype", self.dtype, ("fp32", "bf16"))
+
+
+@dataclass
+class TrainConfig:
+    """The training loop's settings."""
+
+    steps: int = 300
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seed for model init, dropout and the data sampler."""
+    micro_batch: int = 8
+    """Sequences per rank per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    log_interval: int = 25
+    """Steps between progress lines."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "micro_batch", "grad_accum", "log_interval"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key}={getattr(self, key)} must be at least 1")
+
+
+@dataclass
+class GPTJobConfig:
+    """The GPT smoke job: model, parallelism, ZeRO, loop, hotspare."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    hotspare: HotspareConfig = field(default_factory=HotspareConfig)
+    corpus: str = ""
+    """Text file to train on; empty uses the public-domain corpus the package ships."""
+    out_dir: str = ""
+    """Where run.json, per-rank results and summary.json go; empty uses Hydra's run directory."""
+
+
+def register(name: str = "gpt_job_schema") -> None:
+    """Register the schema with Hydra so YAML under configs/ is checked against it."""
+    cs = ConfigStore.instance()
+    cs.store(name=name, node=GPTJobConfig)
+    for group, node in (("model", GPTConfig), ("parallel", ParallelConfig), ("zero", ZeroConfig),
+                        ("train", TrainConfig)):
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def to_job(cfg) -> GPTJobConfig:
+    """A typed, validated job from Hydra's config (OmegaConf already rejected unknown keys)."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    return from_mapping(GPTJobConfig, data)
+
+
+def deepspeed_config(job: GPTJobConfig) -> dict:
+    """The DeepSpeed JSON config the job implies, with its ``"hotspare"`` section."""
+    t, z = job.train, job.zero
+    cfg = {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "weight_decay": t.weight_decay, "betas": [0.9, 0.95],
+                                                  "torch_adam": True}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": t.lr,
+                                                          "warmup_num_steps": t.warmup_steps,
+                                                          "total_num_steps": max(t.steps, t.warmup_steps + 1)}},
+        "zero_optimization": {"stage": z.stage, "reduce_bucket_size": z.reduce_bucket_size},
+        "hotspare": to_mapping(job.hotspare),
+    }
+    if z.stage in (1, 2):
+        cfg["zero_optimization"]["allgather_bucket_size"] = z.allgather_bucket_size
+    else:
+        cfg["zero_optimization"].update(stage3_prefetch_bucket_size=z.reduce_bucket_size,
+                                        stage3_max_live_parameters=z.reduce_bucket_size,
+                                        stage3_max_reuse_distance=z.reduce_bucket_size)
+    if z.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None) -> int:
+    """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code."""
+    os.makedirs(out_dir, exist_ok=True)
+    run_cfg = {"model": to_mapping(job.model), "train": to_mapping(job.train), "deepspeed": deepspeed_config(job),
+               "corpus": job.corpus, "out_dir": out_dir,
+               "collective_timeout_s": job.parallel.collective_timeout_s}
+    path = os.path.join(out_dir, "run.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(run_cfg, f, indent=1)
+    spec = LaunchSpec(script=[WORKER, "--config", path], nproc_per_node=job.parallel.num_ranks,
+                      logical_nodes=job.parallel.logical_nodes, store_timeout_s=job.parallel.store_timeout_s,
+                      extra_env={"OMP_NUM_THREADS": "1", **(extra_env or {})})
+    return run(spec)
+
+
+def collect(out_dir: str, num_ranks: int) -> list[dict]:
+    """Per-rank results written by the workers, in rank order."""
+    results = []
+    for r in range(num_ranks):
+        path = os.path.join(out_dir, f"rank{r}.json")
+        if not os.path.exists(path):
+            raise RuntimeError(f"rank {r} wrote no result ({path}); see its output above")
+        with open(path, encoding="utf-8") as f:
+            results.append(json.load(f))
+    return results
+
+
+def summarize(results: list[dict], wall_s: float) -> dict:
+    """The job summary: loss at start and end (mean over ranks), throughput, digests."""
+    steps = results[0]["steps"]
+    k = max(1, min(10, steps // 10))
+    mean_loss = [statistics.fmean(r["losses"][i] for r in results) for i in range(steps)]
+    step_s = statistics.median(r["step_s_median"] for r in results)
+    return {
+        "steps": steps, "num_ranks": len(results), "zero_stage": results[0]["zero_stage"],
+        "num_params": results[0]["num_params"],
+        "loss_first": statistics.fmean(mean_loss[:k]), "loss_last": statistics.fmean(mean_loss[-k:]),
+        "step_s_median": step_s, "tokens_per_s": results[0]["tokens_per_step"] / step_s,
+        "wall_s": wall_s,
+        "fp32_digests": [r["fp32_digest"] for r in results],
+        "optimizer_digests": [r["optimizer_digest"] for r in results],
+    }
+
+
+def print_summary(s: dict, file=sys.stdout) -> None:
+    rows = [("steps", s["steps"]), ("ranks", s["num_ranks"]), ("ZeRO stage", s["zero_stage"]),
+            ("parameters", f"{s['num_params']:,}"),
+            ("loss (first/last 10%)", f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}"),
+            ("median step", f"{s['step_s_median'] * 1e3:.1f} ms"), ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
+            ("wall time", f"{s['wall_s']:.1f} s"), ("rank 0 fp32 digest", s["fp32_digests"][0][:16])]
+    width = max(len(k) for k, _ in rows)
+    print("summary", file=file)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}", file=file)

@@ -1,0 +1,41 @@
+"""Train the GPT smoke model under DeepSpeed ZeRO through hotspare (the main recipe).
+
+    python recipes/train_gpt.py                      # defaults: configs/train_gpt.yaml
+    python recipes/train_gpt.py zero=stage3 model=small train.steps=500 parallel.num_ranks=2
+
+Writes run.json, rank<R>.json and summary.json into out_dir (default: Hydra's run dir).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_job  # noqa: E402
+
+gpt_job.register()
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="train_gpt")
+def main(cfg) -> None:
+    job = gpt_job.to_job(cfg)
+    out_dir = os.path.abspath(job.out_dir or HydraConfig.get().runtime.output_dir)
+    t0 = time.monotonic()
+    code = gpt_job.launch(job, out_dir)
+    if code != 0:
+        print(f"train_gpt: the job failed (exit code {code}); see the rank output above", file=sys.stderr)
+        sys.exit(code)
+    summary = gpt_job.summarize(gpt_job.collect(out_dir, job.parallel.num_ranks), time.monotonic() - t0)
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    gpt_job.print_summary(summary)
+    print(f"results in {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

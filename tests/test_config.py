@@ -1,0 +1,102 @@
+"""Strict validation of hotspare's typed config: the DeepSpeed "hotspare" section and the
+recipe schema. Pure Python; needs no process group."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import hotspare
+from hotspare.config import ConfigError, HotspareConfig, from_mapping, split_deepspeed_config, to_mapping
+
+
+@dataclass
+class Inner:
+    """Nested schema used to exercise the mechanism."""
+
+    count: int = 1
+    """A count."""
+    ratio: float = 0.5
+    """A number."""
+
+
+@dataclass
+class Outer:
+    """Schema with a required field, a nested one and a list."""
+
+    name: str
+    """Required."""
+    inner: Inner = field(default_factory=Inner)
+    """Nested."""
+    tags: list[str] = field(default_factory=list)
+    """A list."""
+    flag: bool = False
+    """A switch."""
+
+
+def test_valid_mapping_round_trips():
+    obj = from_mapping(Outer, {"name": "a", "inner": {"count": 3, "ratio": 2}, "tags": ["x"], "flag": True})
+    assert obj == Outer(name="a", inner=Inner(count=3, ratio=2.0), tags=["x"], flag=True)
+    assert from_mapping(Outer, to_mapping(obj)) == obj
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"name": "a", "zzz": 1}, "zzz: unknown key; allowed keys: flag, inner, name, tags"),
+    ({"name": "a", "inner": {"cuont": 1}}, "inner.cuont: unknown key (did you mean 'count'?)"),
+    ({"name": "a", "inner": {"count": "3"}}, "inner.count: expected an integer, got str '3'"),
+    ({"name": "a", "inner": {"count": True}}, "inner.count: expected an integer, got bool True"),
+    ({"name": "a", "flag": 1}, "flag: expected true or false, got int 1"),
+    ({"name": "a", "inner": {"ratio": "x"}}, "inner.ratio: expected a number"),
+    ({"name": "a", "tags": "x"}, "tags: expected a list of str"),
+    ({"name": "a", "tags": [1]}, "tags[0]: expected a string"),
+    ({"name": "a", "inner": 3}, "inner: expected a mapping for Inner"),
+    ({}, "missing required key(s) name"),
+])
+def test_bad_values_name_the_key(data, message):
+    with pytest.raises(ConfigError) as info:
+        from_mapping(Outer, data)
+    assert message in str(info.value)
+
+
+def test_deepspeed_section_split_and_validated(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "hotspare": {"enabled": False}}
+    rest, hs = split_deepspeed_config(ds)
+    assert rest == {"train_micro_batch_size_per_gpu": 2}
+    assert hs == HotspareConfig(enabled=False)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    assert split_deepspeed_config(str(path)) == (rest, hs)
+    assert split_deepspeed_config({"a": 1}) == ({"a": 1}, None)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"enabeld": True}, "hotspare.enabeld: unknown key (did you mean 'enabled'?); allowed keys:"),
+    ({"enabled": "yes"}, "hotspare.enabled: expected true or false, got str 'yes'"),
+    ([], "hotspare: expected a mapping"),
+])
+def test_initialize_rejects_bad_section_before_anything_starts(section, message):
+    """Startup stops at the config, before any process group or engine exists."""
+    with pytest.raises(ConfigError) as info:
+        hotspare.initialize(model=torch.nn.Linear(2, 2), config={"hotspare": section})
+    assert message in str(info.value)
+    assert not torch.distributed.is_initialized()
+
+
+def test_recipe_schema_checks(tmp_path):
+    import gpt_job
+
+    with pytest.raises(ConfigError, match="zero.stage: 4 is not allowed; expected one of 1, 2, 3"):
+        from_mapping(gpt_job.GPTJobConfig, {"zero": {"stage": 4}}, prefix="")
+    with pytest.raises(ConfigError, match="zero.dtype: 'fp16' is not allowed"):
+        from_mapping(gpt_job.GPTJobConfig, {"zero": {"dtype": "fp16"}})
+    with pytest.raises(ConfigError, match="parallel.logical_nodes=3 must divide parallel.num_ranks=4"):
+        from_mapping(gpt_job.GPTJobConfig, {"parallel": {"logical_nodes": 3}})
+    with pytest.raises(ConfigError, match="model.hidden_size=65 is not divisible"):
+        from_mapping(gpt_job.GPTJobConfig, {"model": {"hidden_size": 65}})
+    job = from_mapping(gpt_job.GPTJobConfig, {"zero": {"stage": 3, "dtype": "bf16"}})
+    ds = gpt_job.deepspeed_config(job)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True}
+    # The section the recipe writes is itself valid.
+    assert split_deepspeed_config(ds)[1] == job.hotspare

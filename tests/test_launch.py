@@ -1,0 +1,116 @@
+"""hotspare-run: flags, the workers' environment, failure propagation, clean shutdown.
+Starts real processes (tiny Python scripts) on 127.0.0.1; no DeepSpeed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from hotspare import launch
+
+ENV_DUMP = textwrap.dedent("""
+    import json, os, sys
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "HOTSPARE_NODE_RANK", "HOTSPARE_NUM_NODES", "HOTSPARE_JOB_ID", "HOTSPARE_STORE_PORT", "DS_ACCELERATOR"]
+    import torch.distributed as dist, datetime
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=30))
+    store.set("hello/" + os.environ["RANK"], "1")
+    with open(os.path.join(sys.argv[1], "env" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+""")
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_parse_args_mirrors_torchrun():
+    spec = launch.parse_args(["--nnodes", "2", "--nproc_per_node", "4", "--node-rank", "1",
+                              "--rdzv-endpoint", "10.0.0.1:29500", "train.py", "--lr", "3"])
+    assert (spec.nnodes, spec.nproc_per_node, spec.node_rank) == (2, 4, 1)
+    assert (spec.master_addr, spec.master_port) == ("10.0.0.1", 29500)
+    assert spec.script == ["train.py", "--lr", "3"]
+    assert launch.parse_args(["-m", "pkg.mod", "x"]).script == ["-m", "pkg.mod", "x"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(nproc_per_node=0), "--nproc-per-node=0 must be at least 1"),
+    (dict(nnodes=2, node_rank=2, master_port=1), "--node-rank=2 must be in [0, --nnodes=2)"),
+    (dict(nproc_per_node=4, logical_nodes=3), "not divisible by --logical-nodes=3"),
+    (dict(nnodes=2), "--master-port is required"),
+    (dict(nnodes=2, master_port=5, logical_nodes=2, nproc_per_node=2), "use it only with --nnodes=1"),
+])
+def test_bad_launch_specs(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        launch.LaunchSpec(script=["x.py"], **kwargs).validate()
+
+
+def test_workers_get_ranks_nodes_and_the_store(tmp_path, no_leaks):
+    script = write(tmp_path, "dump.py", ENV_DUMP)
+    code = launch.run(launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=4, logical_nodes=2,
+                                        job_id="jobx"))
+    assert code == 0
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(4)]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["HOTSPARE_NODE_RANK"] for e in envs] == ["0", "0", "1", "1"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["HOTSPARE_NUM_NODES"] for e in envs} == {"2"}
+    assert {e["HOTSPARE_JOB_ID"] for e in envs} == {"jobx"}
+    # The launcher picked a free port and every worker reached its store there.
+    assert len({e["MASTER_PORT"] for e in envs}) == 1 and envs[0]["MASTER_PORT"] != "0"
+    assert {e["DS_ACCELERATOR"] for e in envs} == {os.environ.get("DS_ACCELERATOR", "cpu")}
+
+
+def test_a_failing_worker_stops_the_job_with_its_code(tmp_path, no_leaks):
+    script = write(tmp_path, "fail.py", textwrap.dedent("""
+        import os, sys, time
+        if os.environ["RANK"] == "2":
+            sys.exit(3)
+        time.sleep(60)
+    """))
+    t0 = time.monotonic()
+    assert launch.run(launch.LaunchSpec(script=[script], nproc_per_node=3, term_grace_s=5)) == 3
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_killed_worker_is_reported_as_a_signal(tmp_path, no_leaks):
+    script = write(tmp_path, "kill.py", textwrap.dedent("""
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """))
+    assert launch.run(launch.LaunchSpec(script=[script], nproc_per_node=2, term_grace_s=5)) == 128 + signal.SIGKILL
+
+
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, no_leaks):
+    script = write(tmp_path, "sleep.py", textwrap.dedent("""
+        import os, subprocess, sys, time
+        # A grandchild too: the launcher must stop the worker's whole session.
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open(os.path.join(sys.argv[1], "up" + os.environ["RANK"]), "w").close()
+        time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", script,
+                             str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"up{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline, "workers never started"
+        time.sleep(0.05)
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    assert len(descendants) == 4
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "received SIGTERM, stopping workers" in err
+    gone, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not alive, f"left running: {[p.pid for p in alive]}"
