@@ -116,3 +116,85 @@ def optimizer_state_tensors(engine) -> list[tuple[str, torch.Tensor]]:
             if torch.is_tensor(value):
                 out.append((f"{i}.{key}", value))
     return out
+
+
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+class DeepSpeedState:
+    """The unique state of one rank of a ZeRO engine: what no other rank holds (the razor).
+
+    Tensors: the fp32 master partitions, the inner optimizer's state for them, the torch
+    RNG states. Metadata (JSON): engine counters, LR scheduler, loss scaler, the inner
+    optimizer's hyper-parameters, Python and NumPy RNG states, and the caller's data position.
+    Replicated state (bit16 weights under ZeRO 1/2, buffers) is not here: at recovery it
+    comes from a live replica.
+    """
+
+    def __init__(self, engine, data_state=None):
+        self.engine = engine
+        self.data_state = data_state
+        self._accel = None
+        from deepspeed.accelerator import get_accelerator
+
+        accel = get_accelerator()
+        if accel.device_name() != "cpu":
+            self._accel = accel
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        named = [(f"fp32.{i}", p) for i, p in enumerate(fp32_partitions(self.engine))]
+        named += [(f"optim.{n}", t.reshape(-1)) for n, t in optimizer_state_tensors(self.engine)]
+        named.append(("rng.torch", torch.get_rng_state()))
+        if self._accel is not None:
+            named.append(("rng.accelerator", self._accel.get_rng_state()))
+        return named
+
+    def meta(self) -> dict:
+        import random
+
+        import numpy as np
+
+        e = self.engine
+        inner = e.optimizer.optimizer
+        meta = {
+            "engine": {k: int(getattr(e, k)) for k in ENGINE_COUNTERS},
+            "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in inner.param_groups],
+            "rng_python": _jsonable(random.getstate()),
+            "rng_numpy": _jsonable(np.random.get_state()),
+        }
+        if e.lr_scheduler is not None:
+            meta["lr_scheduler"] = _jsonable(e.lr_scheduler.state_dict())
+        scaler = getattr(e.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            meta["loss_scaler"] = {k: _jsonable(getattr(scaler, k)) for k in SCALER_FIELDS if hasattr(scaler, k)}
+        if self.data_state is not None:
+            meta["data"] = _jsonable(self.data_state())
+        return meta
+
+    def bytes_per_param(self) -> float:
+        """Unique bytes this rank mirrors per model parameter (all ranks together)."""
+        nbytes = sum(t.numel() * t.element_size() for _, t in self.tensors())
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        num_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
+        return nbytes * world / max(1, num_params)
+
+
+def _jsonable(value):
+    """Python/NumPy/torch scalars and containers as JSON types; anything else is an error."""
+    import numpy as np
+
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"cannot mirror a value of type {type(value).__name__} ({value!r:.80}); unique state metadata "
+                    f"must be numbers, strings, lists or dicts")

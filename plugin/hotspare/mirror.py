@@ -1,0 +1,251 @@
+"""Mirror: each rank's unique state copied into its holders' memory every iteration.
+
+Per version v (the state after v optimizer steps) every rank runs one *round* on a
+background thread: it sends its snapshot of v to its holders and receives each source's
+snapshot of v, so the copy of v overlaps iteration v+1. Rounds are lock-step across ranks:
+at each step boundary one tiny all-reduce on a control group tells every rank whether any
+round is still in flight (then all wait, or all skip this version, per ``in_flight``) and
+what the globally committed version is. Lock-step is what makes a consistent recovery
+version exist: every rank keeps its own last two snapshots, every holder its sources' last
+committed ones, so the globally committed version G (or G+1 where it reached everybody) is
+on hand for every rank.
+
+Receivers keep the last committed copy of each source while the next arrives in a second
+buffer; a copy commits (the buffers swap) only when every byte arrived and its CRC-32 matches
+the header's. Headers are int64 tensors; payloads are raw bytes. Nothing is unpickled.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
+from .transport import TransferError, Transport
+
+TAG_HEADER = 71
+TAG_DATA = 72
+NO_VERSION = -1
+_INT64_MAX = 2**63 - 1
+
+
+class MirrorError(RuntimeError):
+    """Mirroring cannot go on (a peer is gone or sent bad bytes); the message says which."""
+
+
+@dataclass
+class MirrorStats:
+    rounds: int = 0
+    waits: int = 0
+    skips: int = 0
+    bytes_sent: int = 0
+    commit_failures: int = 0
+    wait_s: float = 0.0
+    capture_s: float = 0.0
+
+
+@dataclass
+class Copy:
+    """A source's snapshot held by this rank: a committed buffer and an incoming one."""
+
+    committed: torch.Tensor | None = None
+    incoming: torch.Tensor | None = None
+    version: int = NO_VERSION
+    layout_id: int = 0
+    header: torch.Tensor = field(default_factory=lambda: torch.zeros(HEADER_LEN, dtype=torch.int64))
+
+
+class Mirror:
+    """Drives the rounds of one rank. ``on_step`` from the training thread; the rest is background."""
+
+    def __init__(self, rank: int, generation: int, holders: dict[int, list[int]], transport: Transport,
+                 control: Callable[[torch.Tensor], None], *, in_flight: str = "wait", chunk_bytes: int = 4 << 20,
+                 timeout_s: float = 60.0, pin_memory: bool = False, on_event: Callable[..., None] | None = None):
+        self.rank, self.generation = rank, generation
+        self.holders = list(holders.get(rank, []))
+        self.sources = sorted(s for s, hs in holders.items() if rank in hs)
+        self.transport, self.control = transport, control
+        self.in_flight, self.chunk_bytes, self.timeout_s = in_flight, chunk_bytes, timeout_s
+        self.pin_memory = pin_memory
+        self.on_event = on_event or (lambda kind, **fields: None)
+        self.stats = MirrorStats()
+        self.enabled = True
+        self.layout: Layout | None = None
+        self._own: list[torch.Tensor] = []
+        self._own_views: list[list[torch.Tensor]] = []
+        self._own_version = [NO_VERSION, NO_VERSION]
+        self._header_out = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        self._ctrl = torch.zeros(2, dtype=torch.int64)
+        self.copies = {s: Copy() for s in self.sources}
+        self.global_committed = NO_VERSION
+        self._commit_lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._rounds: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"hotspare-mirror-{rank}", daemon=True)
+        self._thread.start()
+
+    # ---- training thread -------------------------------------------------------------------
+
+    def on_step(self, version: int, tensors: Callable[[], list], meta: Callable[[], dict]) -> None:
+        """Call after optimizer step ``version`` (the state now is 'after ``version`` steps')."""
+        if not self.enabled:
+            return
+        self._raise_if_failed()
+        any_busy = self._agree()
+        if any_busy:
+            if self.in_flight == "skip":
+                self.stats.skips += 1
+                self.on_event("mirror_skip", version=version)
+                return
+            t0 = time.perf_counter()
+            self._wait_idle()
+            self._agree()  # exact G now that every round is done: it decides which buffer is free
+            self.stats.waits += 1
+            self.stats.wait_s += time.perf_counter() - t0
+            self.on_event("mirror_wait", version=version, wait_s=time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        slot = self._capture(version, tensors(), meta())
+        self.stats.capture_s += time.perf_counter() - t0
+        self._idle.clear()
+        self._rounds.put((version, slot))
+
+    def _agree(self) -> bool:
+        """One MIN all-reduce of [-busy, min committed over my sources]; returns whether any rank is busy."""
+        mine = min((c.version for c in self.copies.values()), default=_INT64_MAX)
+        self._ctrl[0] = -int(not self._idle.is_set())
+        self._ctrl[1] = mine
+        self.control(self._ctrl)
+        self.global_committed = int(self._ctrl[1]) if int(self._ctrl[1]) != _INT64_MAX else NO_VERSION
+        return int(self._ctrl[0]) < 0
+
+    def _capture(self, version: int, named: list, meta: dict) -> int:
+        if self.layout is None or not self.layout.matches(named):
+            self._allocate(named)
+        # Never overwrite the snapshot of the globally committed version: recovery may land there.
+        g, held = self.global_committed, self._own_version
+        if g != NO_VERSION and g in held:
+            slot = 1 - held.index(g)
+        else:
+            slot = 0 if held[0] <= held[1] else 1
+        for view, (_, src) in zip(self._own_views[slot], named):
+            view.copy_(src.reshape(-1), non_blocking=self.pin_memory)
+        write_meta(self._own[slot], self.layout, meta)
+        if self.pin_memory:
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().synchronize()
+        self._own_version[slot] = version
+        return slot
+
+    def _allocate(self, named: list) -> None:
+        if self.layout is not None:
+            self.on_event("mirror_layout_changed", old_bytes=self.layout.nbytes)
+        self.layout = Layout.of(named)
+        self._own = [self.layout.allocate(self.pin_memory) for _ in range(2)]
+        self._own_views = [self.layout.views(b) for b in self._own]
+        self._own_version = [NO_VERSION, NO_VERSION]
+
+    def own_snapshot(self, version: int) -> torch.Tensor | None:
+        """This rank's own snapshot of ``version``, if it still has it."""
+        for slot in (0, 1):
+            if self._own_version[slot] == version:
+                return self._own[slot]
+        return None
+
+    def read_committed(self, source: int) -> tuple[int, torch.Tensor | None]:
+        """(version, a copy of the bytes) of ``source``'s committed snapshot; safe while rounds run."""
+        with self._commit_lock:
+            copy = self.copies[source]
+            if copy.committed is None:
+                return NO_VERSION, None
+            return copy.version, copy.committed.clone()
+
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Wait for the round in flight, agree once more, and return the globally committed version."""
+        self._wait_idle(timeout_s)
+        self._raise_if_failed()
+        self._agree()
+        return self.global_committed
+
+    def _wait_idle(self, timeout_s: float | None = None) -> None:
+        limit = self.timeout_s * 2 if timeout_s is None else timeout_s
+        if not self._idle.wait(limit):
+            raise MirrorError(f"rank {self.rank}: a mirror round did not finish in {limit} s")
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise MirrorError(f"rank {self.rank}: mirroring stopped: {self.error}") from self.error
+
+    def close(self) -> None:
+        """Stop the background thread (pending rounds are abandoned)."""
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s + 5)
+        self.transport.close()
+
+    # ---- background thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                version, slot = self._rounds.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                self._round(version, slot)
+            except BaseException as exc:  # noqa: BLE001 - reported to the training thread
+                self.error = exc
+                self.on_event("mirror_failed", version=version, error=str(exc))
+                self._idle.set()
+                return
+            self._idle.set()
+
+    def _round(self, version: int, slot: int) -> None:
+        buf = self._own[slot]
+        header = Header(self.generation, version, self.rank, buf.numel(), crc32(buf), self.layout.id)
+        header.to_tensor(self._header_out)
+        sends = []
+        for dst in self.holders:
+            sends.append(self.transport.send(self._header_out, dst, TAG_HEADER))
+            sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(buf))
+        for src in self.sources:
+            self._receive(src, version)
+        for h in sends:
+            h.wait(self.timeout_s)
+        self.stats.rounds += 1
+        self.stats.bytes_sent += buf.numel() * len(self.holders)
+
+    def _chunks(self, buf: torch.Tensor):
+        return [buf[i:i + self.chunk_bytes] for i in range(0, buf.numel(), self.chunk_bytes)]
+
+    def _receive(self, src: int, version: int) -> None:
+        copy = self.copies[src]
+        self.transport.recv(copy.header, src, TAG_HEADER).wait(self.timeout_s)
+        h = Header.from_tensor(copy.header)
+        if h.magic != MAGIC or h.source != src or h.generation != self.generation or h.version != version:
+            raise MirrorError(f"rank {self.rank}: bad header from rank {src} (expected generation "
+                              f"{self.generation} version {version}): {h}")
+        if copy.incoming is None or copy.incoming.numel() != h.nbytes:
+            # Warm-up (or a layout change): the only allocation on this path.
+            copy.incoming = torch.zeros(h.nbytes, dtype=torch.uint8)
+            if copy.committed is not None and copy.committed.numel() != h.nbytes:
+                copy.committed, copy.version = None, NO_VERSION
+        handles = [self.transport.recv(chunk, src, TAG_DATA) for chunk in self._chunks(copy.incoming)]
+        for handle in handles:
+            handle.wait(self.timeout_s)
+        if crc32(copy.incoming) != h.crc32:
+            self.stats.commit_failures += 1
+            self.on_event("mirror_checksum_failed", source=src, version=version)
+            return  # the committed copy stays as it was
+        if copy.committed is None:
+            copy.committed = torch.zeros_like(copy.incoming)
+        with self._commit_lock:
+            copy.committed, copy.incoming = copy.incoming, copy.committed
+            copy.version, copy.layout_id = h.version, h.layout_id
+        self.on_event("mirror_commit", source=src, version=version)

@@ -1,0 +1,128 @@
+"""Snapshots: a rank's unique state packed into one preallocated flat byte buffer.
+
+A snapshot is a fixed layout of segments (name, dtype, numel) at 64-byte-aligned offsets plus
+a metadata area holding a length-prefixed UTF-8 JSON document (counters, scheduler, RNG
+states of Python and NumPy). What travels is these raw bytes and a small fixed header of
+int64 fields (:class:`Header`); nothing received is ever unpickled.
+
+The layout is fixed after warm-up: capturing copies into views made once, so the per-step
+path allocates nothing proportional to model size.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 64
+MAGIC = 0x48535031  # "HSP1"
+HEADER_FIELDS = ("magic", "generation", "version", "source", "nbytes", "crc32", "layout_id", "flags")
+HEADER_LEN = len(HEADER_FIELDS)
+
+DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                              torch.int32, torch.uint8, torch.int8, torch.bool)}
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    dtype: torch.dtype
+    numel: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Layout:
+    """Where each named tensor lives inside a snapshot buffer."""
+
+    def __init__(self, specs: list[tuple[str, torch.dtype, int]], meta_capacity: int = 64 * 1024):
+        self.meta_capacity = meta_capacity
+        offset = _align(4 + meta_capacity)
+        segments = []
+        for name, dtype, numel in specs:
+            seg = Segment(name, dtype, int(numel), offset)
+            segments.append(seg)
+            offset = _align(offset + seg.nbytes)
+        self.segments = segments
+        self.nbytes = offset
+        desc = json.dumps([[s.name, str(s.dtype), s.numel, s.offset] for s in segments] + [meta_capacity])
+        # A 52-bit id of the layout: a receiver refuses bytes laid out differently.
+        self.id = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:8], "little") >> 12
+
+    @classmethod
+    def of(cls, named: list[tuple[str, torch.Tensor]], meta_capacity: int = 64 * 1024) -> "Layout":
+        return cls([(n, t.dtype, t.numel()) for n, t in named], meta_capacity)
+
+    def matches(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        return len(named) == len(self.segments) and all(
+            s.name == n and s.dtype == t.dtype and s.numel == t.numel() for s, (n, t) in zip(self.segments, named))
+
+    def allocate(self, pin: bool = False) -> torch.Tensor:
+        buf = torch.zeros(self.nbytes, dtype=torch.uint8)
+        if pin:
+            from deepspeed.accelerator import get_accelerator
+
+            buf = get_accelerator().pin_memory(buf)
+        return buf
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Typed 1-D views of each segment of ``buf`` (made once per buffer)."""
+        assert buf.dtype == torch.uint8 and buf.numel() == self.nbytes
+        return [buf[s.offset:s.offset + s.nbytes].view(s.dtype) for s in self.segments]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def write_meta(buf: torch.Tensor, layout: Layout, meta: dict) -> None:
+    data = json.dumps(meta, separators=(",", ":")).encode()
+    if len(data) > layout.meta_capacity:
+        raise ValueError(f"snapshot metadata is {len(data)} bytes, more than its {layout.meta_capacity}-byte area; "
+                         f"raise meta_capacity")
+    raw = buf.numpy()
+    raw[:4] = memoryview(struct.pack("<I", len(data)))
+    raw[4:4 + len(data)] = memoryview(data)
+
+
+def read_meta(buf: torch.Tensor, layout: Layout) -> dict:
+    raw = buf.numpy()
+    (n,) = struct.unpack("<I", raw[:4].tobytes())
+    if n > layout.meta_capacity:
+        raise ValueError(f"snapshot metadata length {n} exceeds its area ({layout.meta_capacity}); corrupt snapshot")
+    return json.loads(raw[4:4 + n].tobytes())
+
+
+def crc32(buf: torch.Tensor, nbytes: int | None = None) -> int:
+    """CRC-32 of the buffer's first ``nbytes`` (zlib releases the GIL while it runs)."""
+    return zlib.crc32(memoryview(buf.numpy())[:nbytes if nbytes is not None else buf.numel()])
+
+
+@dataclass
+class Header:
+    """The typed header that precedes every snapshot on the wire (int64 fields, no pickle)."""
+
+    generation: int
+    version: int
+    source: int
+    nbytes: int
+    crc32: int
+    layout_id: int
+    flags: int = 0
+    magic: int = MAGIC
+
+    def to_tensor(self, out: torch.Tensor) -> torch.Tensor:
+        out.copy_(torch.tensor([getattr(self, f) for f in HEADER_FIELDS], dtype=torch.int64))
+        return out
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Header":
+        values = dict(zip(HEADER_FIELDS, (int(x) for x in t.tolist())))
+        return cls(**values)

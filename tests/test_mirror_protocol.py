@@ -1,0 +1,265 @@
+"""Mirror protocol with threads (one per rank) over LocalTransport: versions commit only when
+complete and checksummed, every committed copy equals the source's state bitwise, an
+interrupted transfer never commits, the in-flight policy counts waits and skips, and threads
+end on close. Pure Python + torch; no process group."""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import pytest
+import torch
+
+from hotspare.mirror import NO_VERSION, Mirror, MirrorError
+from hotspare.placement import place
+from hotspare.snapshot import Layout, read_meta
+from hotspare.transport import LocalFabric
+
+
+class ThreadAllReduceMin:
+    """A MIN all-reduce among n threads (what the control group does between processes)."""
+
+    def __init__(self, n: int, timeout_s: float = 10.0):
+        self.n, self.timeout_s = n, timeout_s
+        self.values: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(n, timeout=timeout_s)
+        self.result = None
+
+    def __call__(self, t: torch.Tensor) -> None:
+        with self.lock:
+            self.values.append(t.clone())
+        if self.barrier.wait() == 0:
+            self.result = torch.stack(self.values).min(dim=0).values
+            self.values = []
+        self.barrier.wait()
+        t.copy_(self.result)
+        self.barrier.wait()
+
+
+def make_state(rank: int, version: int, numel: int = 5000):
+    g = torch.Generator().manual_seed(rank * 1000 + version)
+    return [("fp32.0", torch.randn(numel, generator=g)), ("optim.0.exp_avg", torch.randn(numel // 2, generator=g)),
+            ("optim.0.step", torch.tensor([float(version)])), ("rng.torch", torch.get_rng_state())]
+
+
+def digest(named) -> str:
+    h = hashlib.sha256()
+    for _, t in named:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def committed(mirror: Mirror, src: int):
+    """(version, digest of the tensor segments, metadata) of the copy of ``src`` that ``mirror`` holds."""
+    version, buf = mirror.read_committed(src)
+    layout = mirror.layout  # all ranks have the same layout in these tests
+    dig = hashlib.sha256(b"".join(v.contiguous().view(torch.uint8).numpy().tobytes()
+                                  for v in layout.views(buf))).hexdigest()
+    return version, dig, read_meta(buf, layout)
+
+
+def committed_digest(mirror: Mirror, src: int) -> str:
+    return committed(mirror, src)[1]
+
+
+def run_ranks(n, fn, timeout_s=30):
+    errors, threads = [], []
+
+    def wrap(rank):
+        try:
+            fn(rank)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append((rank, exc))
+
+    for r in range(n):
+        threads.append(threading.Thread(target=wrap, args=(r,), daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), "a rank thread hung"
+    if errors:
+        raise errors[0][1]
+
+
+def build(n=4, replicas=1, **kwargs):
+    fabric = LocalFabric()
+    holders = place([r * 2 // n for r in range(n)], replicas)
+    control = ThreadAllReduceMin(n)
+    mirrors = [Mirror(r, 0, holders, fabric.endpoint(r), control, timeout_s=5, **kwargs) for r in range(n)]
+    return fabric, holders, mirrors
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 1000])
+def test_every_committed_copy_equals_the_source_bitwise(chunk_bytes):
+    fabric, holders, mirrors = build(chunk_bytes=chunk_bytes)
+    truth = {}  # (rank, version) -> digest of the live state at capture
+    seen = []
+
+    def rank_loop(r):
+        m = mirrors[r]
+        for v in range(1, 8):
+            state = make_state(r, v)
+            truth[(r, v)] = digest(state)
+            m.on_step(v, lambda: state, lambda: {"v": v, "rank": r})
+            for src in m.copies:
+                if m.read_committed(src)[0] != NO_VERSION:
+                    seen.append((src, *committed(m, src)))
+        m.flush()
+
+    try:
+        run_ranks(4, rank_loop)
+        assert seen
+        for src, version, dig, meta in seen:
+            assert dig == truth[(src, version)], f"copy of rank {src} v{version} differs from its source"
+            assert meta == {"v": version, "rank": src}
+        for m in mirrors:
+            assert m.global_committed == 7
+            assert all(c.version == 7 for c in m.copies.values())
+            assert m.stats.rounds == 7 and m.stats.bytes_sent == 7 * m.layout.nbytes
+        # Holders are the placement's: rank r's copy lives exactly at holders[r].
+        for src, hs in holders.items():
+            assert [m.rank for m in mirrors if src in m.copies] == hs
+    finally:
+        for m in mirrors:
+            m.close()
+
+
+def test_interrupted_transfer_never_commits_and_keeps_the_previous_version():
+    fabric, holders, mirrors = build(n=2, chunk_bytes=1000)
+    m0, m1 = mirrors
+    state_v1, state_v2 = make_state(0, 1), make_state(0, 2)
+
+    def rank_loop(r):
+        m = mirrors[r]
+        m.on_step(1, (lambda: state_v1) if r == 0 else (lambda: make_state(1, 1)), dict)
+        m.flush()
+
+    run_ranks(2, rank_loop)
+    assert m1.copies[0].version == 1
+    before = committed_digest(m1, 0)
+    assert before == digest(state_v1)
+
+    # Rank 0 dies after sending a few chunks of version 2.
+    sent = {"n": 0}
+    real_send = m0.transport.send
+
+    def dying_send(tensor, dst, tag):
+        sent["n"] += 1
+        if sent["n"] == 4:
+            fabric.cut(0)
+        return real_send(tensor, dst, tag)
+
+    m0.transport.send = dying_send
+
+    def rank_loop2(r):
+        mirrors[r].on_step(2, (lambda: state_v2) if r == 0 else (lambda: make_state(1, 2)), dict)
+        with pytest.raises(MirrorError):
+            mirrors[r].flush(timeout_s=10)
+
+    try:
+        run_ranks(2, rank_loop2)
+        assert m1.copies[0].version == 1, "a partial transfer became committed"
+        assert committed_digest(m1, 0) == before, "the previous committed copy was touched"
+        assert m0.own_snapshot(1) is not None  # the sender keeps its last globally committed snapshot
+    finally:
+        for m in mirrors:
+            m.close()
+
+
+def test_corrupted_bytes_fail_the_checksum_and_are_never_committed():
+    fabric, holders, mirrors = build(n=2)
+    m0, m1 = mirrors
+    real = m1._receive
+
+    def corrupting_receive(src, version):
+        if version == 2:
+            # Flip a byte after it lands but before the check: what a bad link or bit flip does.
+            orig_wait = m1.transport.recv
+
+            def recv(tensor, s, tag):
+                handle = orig_wait(tensor, s, tag)
+
+                class Flip:
+                    def wait(self, timeout_s):
+                        handle.wait(timeout_s)
+                        if tag != 71 and tensor.numel() > 100:
+                            tensor[100] ^= 0xFF
+                return Flip()
+            m1.transport.recv = recv
+            try:
+                return real(src, version)
+            finally:
+                m1.transport.recv = orig_wait
+        return real(src, version)
+
+    m1._receive = corrupting_receive
+
+    def loop(r):
+        for v in (1, 2, 3):
+            st = make_state(r, v)
+            mirrors[r].on_step(v, lambda: st, dict)
+            mirrors[r].flush()
+            if v == 2:
+                assert mirrors[r].global_committed == 1
+
+    try:
+        run_ranks(2, loop)
+        assert m1.stats.commit_failures == 1 and m1.copies[0].version == 3
+        assert committed_digest(m1, 0) == digest(make_state(0, 3))
+    finally:
+        for m in mirrors:
+            m.close()
+
+
+@pytest.mark.parametrize("policy", ["wait", "skip"])
+def test_in_flight_policy_is_counted(policy):
+    fabric, holders, mirrors = build(n=2, in_flight=policy)
+    gate = threading.Event()
+    real_round = mirrors[1]._round
+
+    def slow_round(version, slot):
+        if version == 1:
+            gate.wait(5)  # round 1 is still in flight when step 2 ends
+        real_round(version, slot)
+
+    mirrors[1]._round = slow_round
+
+    def loop(r):
+        for v in (1, 2, 3):
+            st = make_state(r, v)
+            if v == 2 and r == 1:
+                threading.Timer(0.3, gate.set).start()
+            mirrors[r].on_step(v, lambda: st, dict)
+        mirrors[r].flush()
+
+    try:
+        run_ranks(2, loop)
+        for m in mirrors:
+            if policy == "wait":
+                assert m.stats.waits >= 1 and m.stats.skips == 0 and m.stats.rounds == 3
+            else:
+                assert m.stats.waits == 0 and m.stats.skips >= 1 and m.stats.rounds == 3 - m.stats.skips
+            # The last version captured (3, unless the slow round made the policy skip it too).
+            assert m.global_committed == max(m._own_version) == (3 if policy == "wait" else m.global_committed)
+        # Both ranks made the same decision: the same versions were sent everywhere.
+        assert mirrors[0].stats.skips == mirrors[1].stats.skips
+        assert mirrors[0].stats.waits == mirrors[1].stats.waits
+    finally:
+        for m in mirrors:
+            m.close()
+
+
+def test_close_ends_the_thread():
+    _, _, mirrors = build(n=2)
+    for m in mirrors:
+        m.close()
+    assert not any(t.name.startswith("hotspare-mirror") for t in threading.enumerate())
+
+
+def test_layout_is_aligned_and_stable():
+    named = make_state(0, 1)
+    layout = Layout.of(named)
+    assert all(s.offset % 64 == 0 for s in layout.segments)
+    assert Layout.of(make_state(3, 9)).id == layout.id and layout.matches(make_state(2, 2))
+    assert Layout.of(make_state(0, 1, numel=10)).id != layout.id
