@@ -148,12 +148,16 @@ def deepspeed_config(job: GPTJobConfig) -> dict:
     return cfg
 
 
-def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None) -> int:
-    """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code."""
+def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, **worker_options) -> int:
+    """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code.
+
+    ``worker_options`` go to gpt_worker.py as is: ``verify_mirror`` (record digests of every
+    live and mirrored version), ``mirror_block`` (alternate blocks of steps off and on).
+    """
     os.makedirs(out_dir, exist_ok=True)
     run_cfg = {"model": to_mapping(job.model), "train": to_mapping(job.train), "deepspeed": deepspeed_config(job),
                "corpus": job.corpus, "out_dir": out_dir,
-               "collective_timeout_s": job.parallel.collective_timeout_s}
+               "collective_timeout_s": job.parallel.collective_timeout_s, **worker_options}
     path = os.path.join(out_dir, "run.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(run_cfg, f, indent=1)

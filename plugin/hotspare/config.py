@@ -13,7 +13,7 @@ import json
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union
 
 T = TypeVar("T")
@@ -25,6 +25,38 @@ class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names it and says what is allowed."""
 
 
+IN_FLIGHT_POLICIES = ("wait", "skip")
+
+
+@dataclass
+class MirrorConfig:
+    """Per-iteration copies of each rank's unique state in peers on other nodes."""
+
+    enabled: bool = True
+    """Mirror every optimizer step (off: no copies, no per-step cost)."""
+    replicas: int = 1
+    """Peers (on other nodes) that hold a copy of each rank's unique state."""
+    in_flight: str = "wait"
+    """When the previous copy is still in flight at the next step: 'wait' for it, or 'skip' this version."""
+    chunk_mb: float = 4.0
+    """Size of each transfer message in MiB."""
+    timeout_s: float = 60.0
+    """Longest wait for one transfer before the mirror reports its peer as failed."""
+
+    def __post_init__(self) -> None:
+        check_choice("mirror.in_flight", self.in_flight, IN_FLIGHT_POLICIES)
+        if self.replicas < 0:
+            raise ConfigError(f"mirror.replicas={self.replicas} must be >= 0 (0 turns mirroring off)")
+        if not self.chunk_mb > 0:
+            raise ConfigError(f"mirror.chunk_mb={self.chunk_mb} must be > 0")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"mirror.timeout_s={self.timeout_s} must be > 0")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.chunk_mb * (1 << 20)))
+
+
 @dataclass
 class HotspareConfig:
     """The ``"hotspare"`` section of a DeepSpeed JSON config."""
@@ -33,9 +65,8 @@ class HotspareConfig:
     """Turn hotspare on. With false every hook is a no-op and training is plain DeepSpeed."""
     events_dir: str = ""
     """Directory for the JSON-lines event log (one file per rank); empty disables the log."""
-
-    def validate(self) -> None:
-        """Cross-field checks (single-field checks are done by the type)."""
+    mirror: MirrorConfig = field(default_factory=MirrorConfig)
+    """Peer mirroring of unique state (FFTrainer-style neighbouring redundancy)."""
 
 
 def check_choice(key: str, value: Any, allowed: tuple) -> None:
@@ -123,14 +154,19 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
         raise ConfigError(f"{prefix or cls.__name__}: missing required key(s) {', '.join(missing)}")
     try:
         obj = cls(**kwargs)
-    except ConfigError:
-        raise
-    except ValueError as exc:  # a component's own __post_init__ check
+    except ConfigError as exc:  # a component's own check names its key: give it the full path
+        raise ConfigError(_with_prefix(prefix, str(exc))) from None
+    except ValueError as exc:
         raise ConfigError(f"{prefix or cls.__name__}: {exc}") from exc
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
-        validate()
     return obj
+
+
+def _with_prefix(prefix: str, message: str) -> str:
+    """'mirror.replicas: ...' raised inside hotspare.mirror becomes 'hotspare.mirror.replicas: ...'."""
+    if not prefix or message.startswith(prefix + "."):
+        return message
+    head = prefix.rsplit(".", 1)[-1]
+    return f"{prefix}{message[len(head):]}" if message.startswith(head + ".") else message
 
 
 def to_mapping(obj: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ DeepSpeed upgrade that moves them):
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,12 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..config import HotspareConfig, split_deepspeed_config
+from ..config import ConfigError, HotspareConfig, split_deepspeed_config
+from ..events import EventLog
 from ..generation import Generation, join, leave, store_from_env
+from ..mirror import Mirror
+from ..placement import place
+from ..transport import GlooTransport
 
 SUPPORTED_DEEPSPEED = ("0.19.",)
 
@@ -51,9 +56,25 @@ class Session:
     """The process-group generation this process is in."""
     store: Any
     """The control-store client (None when the process group was set up by the caller)."""
+    mirror: Mirror | None = None
+    """The peer mirror of this rank's unique state (None when mirroring is off)."""
+    state: "DeepSpeedState | None" = None
+    """What this rank mirrors."""
+    events: EventLog | None = None
+    """This rank's event log."""
+    groups: tuple = ()
+    """Process groups hotspare created (destroyed on close)."""
 
     def close(self) -> None:
-        """Leave the current generation; call once at the end of training."""
+        """Stop mirroring and leave the current generation; call once at the end of training."""
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None
+        if self.events is not None:
+            self.events.close()
+        for group in self.groups:
+            dist.destroy_process_group(group)
+        self.groups = ()
         leave()
         self.store = None
 
@@ -67,11 +88,14 @@ def _join_from_env(backend: str, timeout_s: float) -> tuple[Generation, Any]:
 
 
 def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=None, optimizer=None,
-               lr_scheduler=None, training_data=None, collective_timeout_s: float = 120.0, **kwargs) -> Session:
+               lr_scheduler=None, training_data=None, collective_timeout_s: float = 120.0, data_state=None,
+               **kwargs) -> Session:
     """``deepspeed.initialize`` with hotspare: validates the ``"hotspare"`` section first.
 
     The process group is joined through the launcher's control store (``hotspare-run``), on
     the generation's own store prefix, unless the caller already initialised one.
+    ``data_state`` (optional) returns the data position as JSON-able values; it is mirrored.
+    With mirroring on, ``engine.step()`` mirrors the unique state after every optimizer step.
     """
     ds_config, hs_config = split_deepspeed_config(config)
     env.configure_accelerator()
@@ -92,8 +116,62 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
     if engine.zero_optimization_stage() not in (1, 2, 3):
         raise ValueError(f"zero_optimization.stage={engine.zero_optimization_stage()}: hotspare needs ZeRO stage "
                          f"1, 2 or 3 (each rank's unique state is its ZeRO partition)")
-    return Session(engine=engine, optimizer=opt, training_dataloader=loader, lr_scheduler=sched,
-                   config=hs_config, generation=gen, store=store)
+    session = Session(engine=engine, optimizer=opt, training_dataloader=loader, lr_scheduler=sched,
+                      config=hs_config, generation=gen, store=store)
+    if hs_config is not None and hs_config.enabled:
+        session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
+        session.state = DeepSpeedState(engine, data_state)
+        if hs_config.mirror.enabled and hs_config.mirror.replicas > 0 and gen.world_size > 1:
+            _start_mirror(session, hs_config)
+    return session
+
+
+def node_ranks() -> list[int]:
+    """Every rank's (logical) node, gathered as tensors over the default group."""
+    mine = torch.tensor([env.env_int(env.HOTSPARE_NODE_RANK, 0)], dtype=torch.int64)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [int(t) for t in out]
+
+
+def _start_mirror(session: Session, cfg: HotspareConfig) -> None:
+    gen, mc = session.generation, cfg.mirror
+    nodes = node_ranks()
+    try:
+        holders = place(nodes, mc.replicas)
+    except ValueError as exc:
+        raise ConfigError(f"hotspare.mirror.replicas={mc.replicas}: {exc}") from None
+    # Mirror bytes and the per-step agreement get groups of their own (host memory, gloo), so
+    # they never queue behind the training collectives.
+    timeout = datetime.timedelta(seconds=mc.timeout_s)
+    data_group = dist.new_group(backend="gloo", timeout=timeout)
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    session.groups = (data_group, control_group)
+
+    def agree(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group)
+
+    from deepspeed.accelerator import get_accelerator
+
+    pin = get_accelerator().device_name() != "cpu"
+    session.mirror = Mirror(gen.rank, gen.index, holders, GlooTransport(data_group, gen.rank), agree,
+                            in_flight=mc.in_flight, chunk_bytes=mc.chunk_bytes, timeout_s=mc.timeout_s,
+                            pin_memory=pin, on_event=session.events)
+    session.events("mirror_start", holders=holders[gen.rank], nodes=nodes,
+                   single_node=len(set(nodes)) == 1)
+    engine, state, mirror = session.engine, session.state, session.mirror
+    step = engine.step
+
+    # Wrap the one call every DeepSpeed loop makes: after an optimizer step (global_steps moved)
+    # the post-step state is captured and its copy starts on the mirror thread.
+    def step_and_mirror(*args, **kw):
+        before = engine.global_steps
+        out = step(*args, **kw)
+        if engine.global_steps != before:
+            mirror.on_step(engine.global_steps, state.tensors, state.meta)
+        return out
+
+    engine.step = step_and_mirror
 
 
 def fp32_partitions(engine) -> list[torch.Tensor]:
