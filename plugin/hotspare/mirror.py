@@ -2,10 +2,12 @@
 
 Per version v (the state after v optimizer steps) every rank runs one *round* on a
 background thread: it sends its snapshot of v to its holders and receives each source's
-snapshot of v, so the copy of v overlaps iteration v+1. Rounds are lock-step across ranks:
-at each step boundary one tiny all-reduce on a control group tells every rank whether any
-round is still in flight (then all wait, or all skip this version, per ``in_flight``) and
-what the globally committed version is. Lock-step is what makes a consistent recovery
+snapshot of v, so the copy of v overlaps iteration v+1. Rounds are lock-step across ranks.
+With ``in_flight='wait'`` every rank mirrors every version and each round ends with one tiny
+MIN all-reduce on a control group, run by the mirror thread, that gives every rank the
+globally committed version; the training thread waits only if the previous round is not done.
+With ``'skip'`` that all-reduce runs at each step boundary on the training thread instead, so
+that all ranks skip the same versions. Lock-step is what makes a consistent recovery
 version exist: every rank keeps its own last two snapshots, every holder its sources' last
 committed ones, so the globally committed version G (or G+1 where it reached everybody) is
 on hand for every rank.
@@ -79,7 +81,8 @@ class Mirror:
         self._own_views: list[list[torch.Tensor]] = []
         self._own_version = [NO_VERSION, NO_VERSION]
         self._header_out = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        self._ctrl = torch.zeros(2, dtype=torch.int64)
+        self._ctrl = torch.zeros(2, dtype=torch.int64)  # training thread's agreement ('skip')
+        self._ctrl_bg = torch.zeros(2, dtype=torch.int64)  # mirror thread's agreement ('wait')
         self.copies = {s: Copy() for s in self.sources}
         self.global_committed = NO_VERSION
         self._commit_lock = threading.Lock()
@@ -98,15 +101,20 @@ class Mirror:
         if not self.enabled:
             return
         self._raise_if_failed()
-        any_busy = self._agree()
-        if any_busy:
-            if self.in_flight == "skip":
+        if self.in_flight == "skip":
+            # Skipping must be decided identically everywhere: one tiny collective says whether
+            # any rank's round is still in flight.
+            if self._agree(self._ctrl, busy=not self._idle.is_set()):
                 self.stats.skips += 1
                 self.on_event("mirror_skip", version=version)
                 return
+        elif not self._idle.is_set():
+            # 'wait' needs no collective on the training thread: every round ends with an
+            # agreement on the mirror thread, so an idle mirror means every rank's round is done
+            # and global_committed is exact.
             t0 = time.perf_counter()
             self._wait_idle()
-            self._agree()  # exact G now that every round is done: it decides which buffer is free
+            self._raise_if_failed()
             self.stats.waits += 1
             self.stats.wait_s += time.perf_counter() - t0
             self.on_event("mirror_wait", version=version, wait_s=time.perf_counter() - t0)
@@ -116,14 +124,16 @@ class Mirror:
         self._idle.clear()
         self._rounds.put((version, slot))
 
-    def _agree(self) -> bool:
-        """One MIN all-reduce of [-busy, min committed over my sources]; returns whether any rank is busy."""
-        mine = min((c.version for c in self.copies.values()), default=_INT64_MAX)
-        self._ctrl[0] = -int(not self._idle.is_set())
-        self._ctrl[1] = mine
-        self.control(self._ctrl)
-        self.global_committed = int(self._ctrl[1]) if int(self._ctrl[1]) != _INT64_MAX else NO_VERSION
-        return int(self._ctrl[0]) < 0
+    def _agree(self, ctrl: torch.Tensor, busy: bool) -> bool:
+        """One MIN all-reduce of [-busy, min committed over my sources] on the control group.
+
+        Sets the globally committed version; returns whether any rank was busy.
+        """
+        ctrl[0] = -int(busy)
+        ctrl[1] = min((c.version for c in self.copies.values()), default=_INT64_MAX)
+        self.control(ctrl)
+        self.global_committed = int(ctrl[1]) if int(ctrl[1]) != _INT64_MAX else NO_VERSION
+        return int(ctrl[0]) < 0
 
     def _capture(self, version: int, named: list, meta: dict) -> int:
         if self.layout is None or not self.layout.matches(named):
@@ -171,7 +181,8 @@ class Mirror:
         """Wait for the round in flight, agree once more, and return the globally committed version."""
         self._wait_idle(timeout_s)
         self._raise_if_failed()
-        self._agree()
+        if self.in_flight == "skip":
+            self._agree(self._ctrl, busy=False)
         return self.global_committed
 
     def _wait_idle(self, timeout_s: float | None = None) -> None:
@@ -218,6 +229,8 @@ class Mirror:
             self._receive(src, version)
         for h in sends:
             h.wait(self.timeout_s)
+        if self.in_flight == "wait":
+            self._agree(self._ctrl_bg, busy=False)
         self.stats.rounds += 1
         self.stats.bytes_sent += buf.numel() * len(self.holders)
 

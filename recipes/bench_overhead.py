@@ -1,0 +1,96 @@
+"""Mirroring overhead: the GPT job on 4 ranks with blocks of steps alternating mirroring off
+and on (same processes, same data), for each ZeRO stage.
+
+    python recipes/bench_overhead.py out=overhead.json
+    python recipes/bench_overhead.py out=o.json stages=[2] model=small train.steps=400 block=25
+
+Writes one JSON object: ``stages`` -> {stage: {baseline_step_s, mirror_step_s, overhead,
+mirror_bytes_per_step, unique_bytes_per_param, waits, skips, ...}}; prints a table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_job  # noqa: E402
+from hotspare.config import from_mapping  # noqa: E402
+
+
+@dataclass
+class BenchOverheadConfig(gpt_job.GPTJobConfig):
+    """The GPT job plus the benchmark's own settings."""
+
+    out: str = "bench_overhead.json"
+    """Where the JSON result goes."""
+    stages: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """ZeRO stages to measure (one run each)."""
+    block: int = 20
+    """Steps per block; blocks alternate mirroring off, on, off, ... The first two blocks are warm-up."""
+
+
+gpt_job.register()
+ConfigStore.instance().store(name="bench_overhead_schema", node=BenchOverheadConfig)
+
+
+def measure(result_ranks: list[dict], block: int) -> dict:
+    """Medians over steps (each step's time = the slowest rank's) of off- and on-blocks, warm-up excluded."""
+    steps = len(result_ranks[0]["step_times"])
+    step_s = [max(r["step_times"][i] for r in result_ranks) for i in range(steps)]
+    on_flags = result_ranks[0]["mirrored_steps"]
+    keep = range(2 * block, steps)
+    base = [step_s[i] for i in keep if not on_flags[i]]
+    mirr = [step_s[i] for i in keep if on_flags[i]]
+    if not base or not mirr:
+        raise ValueError(f"train.steps={steps} leaves no measured off/on blocks after warm-up; use at least "
+                         f"{4 * block} steps")
+    mirrors = [r["mirror"] for r in result_ranks]
+    b, m = statistics.median(base), statistics.median(mirr)
+    return {
+        "baseline_step_s": b, "mirror_step_s": m, "overhead": m / b - 1.0,
+        "mirror_bytes_per_step": sum(x["snapshot_bytes"] * len(x["holders"]) for x in mirrors),
+        "unique_bytes_per_param": mirrors[0]["unique_bytes_per_param"],
+        "waits": sum(x["waits"] for x in mirrors), "skips": sum(x["skips"] for x in mirrors),
+        "rounds": mirrors[0]["rounds"], "capture_ms_per_round": 1e3 * statistics.fmean(
+            x["capture_s"] / max(1, x["rounds"]) for x in mirrors),
+        "measured_steps": {"baseline": len(base), "mirror": len(mirr)},
+    }
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="bench_overhead")
+def main(cfg) -> None:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    bench = from_mapping(BenchOverheadConfig, data)
+    run_dir = HydraConfig.get().runtime.output_dir
+    results = {}
+    for stage in bench.stages:
+        job_data = {k: v for k, v in data.items() if k not in ("out", "stages", "block")}
+        job_data["zero"] = {**job_data["zero"], "stage": stage}
+        job = from_mapping(gpt_job.GPTJobConfig, job_data)
+        out_dir = os.path.join(run_dir, f"zero{stage}")
+        if gpt_job.launch(job, out_dir, mirror_block=bench.block) != 0:
+            sys.exit(f"bench_overhead: the ZeRO-{stage} run failed; see its output above")
+        results[str(stage)] = measure(gpt_job.collect(out_dir, job.parallel.num_ranks), bench.block)
+    report = {"stages": results, "num_ranks": bench.parallel.num_ranks, "model": OmegaConf.to_container(cfg.model),
+              "steps": bench.train.steps, "block": bench.block, "in_flight": bench.hotspare.mirror.in_flight}
+    with open(bench.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(f"{'stage':>5} {'base ms':>9} {'mirror ms':>9} {'overhead':>9} {'MB/step':>8} {'B/param':>8} "
+          f"{'waits':>5} {'skips':>5}")
+    for stage, r in results.items():
+        print(f"{stage:>5} {r['baseline_step_s'] * 1e3:9.2f} {r['mirror_step_s'] * 1e3:9.2f} {r['overhead']:9.3%} "
+              f"{r['mirror_bytes_per_step'] / 1e6:8.2f} {r['unique_bytes_per_param']:8.2f} {r['waits']:5d} "
+              f"{r['skips']:5d}")
+    print(f"wrote {os.path.abspath(bench.out)}")
+
+
+if __name__ == "__main__":
+    main()
