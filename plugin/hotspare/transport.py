@@ -78,7 +78,6 @@ class LocalFabric:
         self.lock = threading.Lock()
         self.channels: dict[tuple[int, int, int], queue.Queue] = {}
         self.dead: set[int] = set()
-        self.sent_messages: dict[int, int] = {}
 
     def channel(self, src: int, dst: int, tag: int) -> queue.Queue:
         with self.lock:
@@ -148,8 +147,6 @@ class LocalTransport:
             raise TransferError(f"send {self.rank}->{dst}: this rank is gone")
         msg = _LocalSend(self.fabric, tensor, self.rank, dst)
         self.fabric.channel(self.rank, dst, tag).put(msg)
-        with self.fabric.lock:
-            self.fabric.sent_messages[self.rank] = self.fabric.sent_messages.get(self.rank, 0) + 1
         return msg
 
     def recv(self, tensor, src, tag):
