@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
-from .transport import TransferError, Transport
+from .transport import Transport
 
 TAG_HEADER = 71
 TAG_DATA = 72
@@ -57,7 +57,6 @@ class Copy:
     committed: torch.Tensor | None = None
     incoming: torch.Tensor | None = None
     version: int = NO_VERSION
-    layout_id: int = 0
     header: torch.Tensor = field(default_factory=lambda: torch.zeros(HEADER_LEN, dtype=torch.int64))
 
 
@@ -73,6 +72,11 @@ class Mirror:
         self.transport, self.control = transport, control
         self.in_flight, self.chunk_bytes, self.timeout_s = in_flight, chunk_bytes, timeout_s
         self.pin_memory = pin_memory
+        self._synchronize = None
+        if pin_memory:
+            from deepspeed.accelerator import get_accelerator
+
+            self._synchronize = get_accelerator().synchronize
         self.on_event = on_event or (lambda kind, **fields: None)
         self.stats = MirrorStats()
         self.enabled = True
@@ -147,10 +151,8 @@ class Mirror:
         for view, (_, src) in zip(self._own_views[slot], named):
             view.copy_(src.reshape(-1), non_blocking=self.pin_memory)
         write_meta(self._own[slot], self.layout, meta)
-        if self.pin_memory:
-            from deepspeed.accelerator import get_accelerator
-
-            get_accelerator().synchronize()
+        if self._synchronize is not None:
+            self._synchronize()  # the non_blocking device-to-host copies must land before the round reads them
         self._own_version[slot] = version
         return slot
 
@@ -260,5 +262,5 @@ class Mirror:
             copy.committed = torch.zeros_like(copy.incoming)
         with self._commit_lock:
             copy.committed, copy.incoming = copy.incoming, copy.committed
-            copy.version, copy.layout_id = h.version, h.layout_id
+            copy.version = h.version
         self.on_event("mirror_commit", source=src, version=version)

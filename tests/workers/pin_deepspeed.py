@@ -4,7 +4,6 @@ an AssertionError that names the internal when one moved."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 

@@ -10,7 +10,6 @@ DeepSpeed upgrade that moves them):
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 from typing import Any
 
