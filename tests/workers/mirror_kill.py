@@ -47,13 +47,16 @@ def main(out: str) -> None:
     mirror.on_step(1, lambda: s1, lambda: {"version": 1})
     assert mirror.flush() == 1
     if rank == 0:
-        real_send, calls = mirror.transport.send, [0]
+        real_send, handles = mirror.transport.send, []
 
         def send_then_die(tensor, dst, tag):
-            calls[0] += 1
-            if calls[0] == 40:  # header + 38 chunks of 129 are on their way
+            if len(handles) == 40:
+                # The header and the first 20 chunks (of 129) have reached rank 1; die mid-transfer.
+                for h in handles[:21]:
+                    h.wait(20)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_send(tensor, dst, tag)
+            handles.append(real_send(tensor, dst, tag))
+            return handles[-1]
 
         mirror.transport.send = send_then_die
     s2 = state(rank, 2)
