@@ -199,17 +199,18 @@ class Mirror:
     def close(self) -> None:
         """Stop the background thread (pending rounds are abandoned)."""
         self._stop.set()
+        self._rounds.put(None)
         self._thread.join(timeout=self.timeout_s + 5)
         self.transport.close()
 
     # ---- background thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                version, slot = self._rounds.get(timeout=0.05)
-            except queue.Empty:
-                continue
+        while True:
+            item = self._rounds.get()  # blocks without polling; close() sends None
+            if item is None or self._stop.is_set():
+                return
+            version, slot = item
             try:
                 self._round(version, slot)
             except BaseException as exc:  # noqa: BLE001 - reported to the training thread

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 64
+# Metadata is counters, scheduler and optimizer hyper-parameters, RNG leftovers and the data
+# position: about 1-2 KB as JSON. It is sent every step, so its area stays small.
+META_CAPACITY = 16 * 1024
 MAGIC = 0x48535031  # "HSP1"
 HEADER_FIELDS = ("magic", "generation", "version", "source", "nbytes", "crc32", "layout_id", "flags")
 HEADER_LEN = len(HEADER_FIELDS)
@@ -42,7 +45,7 @@ class Segment:
 class Layout:
     """Where each named tensor lives inside a snapshot buffer."""
 
-    def __init__(self, specs: list[tuple[str, torch.dtype, int]], meta_capacity: int = 64 * 1024):
+    def __init__(self, specs: list[tuple[str, torch.dtype, int]], meta_capacity: int = META_CAPACITY):
         self.meta_capacity = meta_capacity
         offset = _align(4 + meta_capacity)
         segments = []
@@ -57,7 +60,7 @@ class Layout:
         self.id = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:8], "little") >> 12
 
     @classmethod
-    def of(cls, named: list[tuple[str, torch.Tensor]], meta_capacity: int = 64 * 1024) -> "Layout":
+    def of(cls, named: list[tuple[str, torch.Tensor]], meta_capacity: int = META_CAPACITY) -> "Layout":
         return cls([(n, t.dtype, t.numel()) for n, t in named], meta_capacity)
 
     def matches(self, named: list[tuple[str, torch.Tensor]]) -> bool:
@@ -86,7 +89,7 @@ def write_meta(buf: torch.Tensor, layout: Layout, meta: dict) -> None:
     data = json.dumps(meta, separators=(",", ":")).encode()
     if len(data) > layout.meta_capacity:
         raise ValueError(f"snapshot metadata is {len(data)} bytes, more than its {layout.meta_capacity}-byte area; "
-                         f"raise meta_capacity")
+                         f"keep the data_state passed to hotspare.initialize to a few numbers")
     raw = buf.numpy()
     raw[:4] = memoryview(struct.pack("<I", len(data)))
     raw[4:4 + len(data)] = memoryview(data)

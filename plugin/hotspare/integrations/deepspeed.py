@@ -10,9 +10,11 @@ DeepSpeed upgrade that moves them):
 from __future__ import annotations
 
 import datetime
+import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -225,20 +227,22 @@ class DeepSpeedState:
         named.append(("rng.torch", torch.get_rng_state()))
         if self._accel is not None:
             named.append(("rng.accelerator", self._accel.get_rng_state()))
+        # The Mersenne-Twister words of Python's and NumPy's generators travel as tensors: as
+        # JSON they were most of the metadata's bytes and of its per-step encoding time.
+        named.append(("rng.python", torch.tensor(random.getstate()[1], dtype=torch.int64)))
+        named.append(("rng.numpy", torch.from_numpy(np.random.get_state()[1].astype(np.int64))))
         return named
 
     def meta(self) -> dict:
-        import random
-
-        import numpy as np
-
         e = self.engine
         inner = e.optimizer.optimizer
         meta = {
             "engine": {k: int(getattr(e, k)) for k in ENGINE_COUNTERS},
             "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in inner.param_groups],
-            "rng_python": _jsonable(random.getstate()),
-            "rng_numpy": _jsonable(np.random.get_state()),
+            # The rest of the two generators' states (their words are tensors, above).
+            "rng_python": {"version": random.getstate()[0], "gauss_next": random.getstate()[2]},
+            "rng_numpy": dict(zip(("kind", "pos", "has_gauss", "cached_gaussian"),
+                                  _jsonable([np.random.get_state()[i] for i in (0, 2, 3, 4)]))),
         }
         if e.lr_scheduler is not None:
             meta["lr_scheduler"] = _jsonable(e.lr_scheduler.state_dict())
@@ -259,8 +263,6 @@ class DeepSpeedState:
 
 def _jsonable(value):
     """Python/NumPy/torch scalars and containers as JSON types; anything else is an error."""
-    import numpy as np
-
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     if isinstance(value, (list, tuple)):
