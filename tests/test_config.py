@@ -100,3 +100,24 @@ def test_recipe_schema_checks(tmp_path):
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True}
     # The section the recipe writes is itself valid.
     assert split_deepspeed_config(ds)[1] == job.hotspare
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"mirror": {"enabled": 1}}, "hotspare.mirror.enabled: expected true or false"),
+    ({"mirror": {"replicas": -1}}, "hotspare.mirror.replicas=-1 must be >= 0"),
+    ({"mirror": {"in_flight": "drop"}}, "hotspare.mirror.in_flight: 'drop' is not allowed; expected one of 'wait', 'skip'"),
+    ({"mirror": {"chunk_mb": 0}}, "hotspare.mirror.chunk_mb=0.0 must be > 0"),
+    ({"mirror": {"timeout_s": -1}}, "hotspare.mirror.timeout_s=-1.0 must be > 0"),
+    ({"mirror": {"replica": 2}}, "hotspare.mirror.replica: unknown key (did you mean 'replicas'?)"),
+    ({"recovery": {"enabled": "no"}}, "hotspare.recovery.enabled: expected true or false"),
+    ({"recovery": {"heartbeat_interval_s": 0}}, "hotspare.recovery.heartbeat_interval_s=0.0 must be > 0"),
+    ({"recovery": {"heartbeat_timeout_s": 0.6}}, "heartbeat_timeout_s=0.6 must be at least twice"),
+    ({"recovery": {"collective_timeout_s": 5}}, "hotspare.recovery.collective_timeout_s=5.0 must be longer than"),
+    ({"recovery": {"rendezvous_timeout_s": -2}}, "hotspare.recovery.rendezvous_timeout_s=-2.0 must be > 0"),
+    ({"recovery": {"max_recoveries": -1}}, "hotspare.recovery.max_recoveries=-1 must be >= 0"),
+    ({"recovery": {"max_recoveries": 1.5}}, "hotspare.recovery.max_recoveries: expected an integer"),
+])
+def test_every_field_is_checked(section, message):
+    with pytest.raises(ConfigError) as info:
+        split_deepspeed_config({"hotspare": section})
+    assert message in str(info.value)

@@ -114,3 +114,70 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, no_leaks):
     assert "received SIGTERM, stopping workers" in err
     gone, alive = psutil.wait_procs(descendants, timeout=10)
     assert not alive, f"left running: {[p.pid for p in alive]}"
+
+
+SPARE_SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    from hotspare import worker
+    from hotspare.generation import store_from_env
+    out = sys.argv[1]
+    store = store_from_env()
+    wid = worker.worker_id()
+    if worker.role() == "spare":
+        try:
+            plan = worker.wait_for_order(store, wid)
+        except worker.Shutdown:
+            open(os.path.join(out, "shutdown." + wid), "w").close()
+            sys.exit(0)
+        rank = plan.rank_of(wid)
+        with open(os.path.join(out, "took." + wid), "w") as f:
+            json.dump({"rank": rank, "generation": plan.generation, "failures": plan.failures}, f)
+    else:
+        rank = int(os.environ["RANK"])
+        hb = worker.Heartbeat(wid, 0.1, float(os.environ.get("HB_TIMEOUT", "2")))
+        mode = os.environ.get("FAIL_" + wid, "")
+        if mode == "exit":
+            time.sleep(0.3)
+            os._exit(7)
+        if mode == "hang":
+            time.sleep(0.5)
+            import signal
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(float(os.environ.get("RUN_S", "3")))
+        hb.close()
+        open(os.path.join(out, "done." + wid), "w").close()
+""")
+
+
+def test_a_spare_takes_a_dead_ranks_place_and_a_new_spare_starts(tmp_path, no_leaks):
+    script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=4, logical_nodes=2, spares_per_node=1,
+                             extra_env={"FAIL_a3": "exit"}, term_grace_s=5)
+    assert launch.run(spec) == 0
+    took = json.loads((tmp_path / "took.s1.0").read_text())
+    # Rank 3 lives on logical node 1: node 1's spare takes it, in generation 1.
+    assert took["rank"] == 3 and took["generation"] == 1
+    assert took["failures"][0]["worker"] == "a3" and took["failures"][0]["code"] == 7
+    assert {p.name for p in tmp_path.glob("done.*")} == {"done.a0", "done.a1", "done.a2"}
+    # Node 1 got a new spare after the takeover; it and node 0's spare were released at the end.
+    assert {p.name for p in tmp_path.glob("shutdown.*")} == {"shutdown.s0.0", "shutdown.s1.1"}
+
+
+def test_a_silent_worker_is_killed_and_replaced(tmp_path, no_leaks):
+    script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=2, logical_nodes=2, spares_per_node=1,
+                             extra_env={"FAIL_a0": "hang", "HB_TIMEOUT": "1", "RUN_S": "4"}, term_grace_s=5)
+    assert launch.run(spec) == 0
+    took = json.loads((tmp_path / "took.s0.0").read_text())
+    failure = took["failures"][0]
+    assert took["rank"] == 0 and failure["reason"] == "heartbeat" and failure["code"] == -signal.SIGKILL
+    assert 1.0 <= failure["detect_s"] < 3.0
+
+
+def test_without_a_ready_spare_the_job_stops_with_the_code(tmp_path, no_leaks):
+    script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=2, logical_nodes=2,
+                             extra_env={"FAIL_a1": "exit", "RUN_S": "30"}, term_grace_s=5)
+    t0 = time.monotonic()
+    assert launch.run(spec) == 7
+    assert time.monotonic() - t0 < 20

@@ -58,6 +58,46 @@ class MirrorConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    """In-place recovery: detection timeouts and the rebuild's limits.
+
+    The timeouts form one hierarchy, checked at start-up: a heartbeat is sent every
+    ``heartbeat_interval_s``; a worker silent for ``heartbeat_timeout_s`` is declared hung
+    and killed by its launcher (which breaks its sockets, so its peers' collectives fail at
+    once); ``collective_timeout_s`` is only the backstop for a collective that neither
+    completes nor fails, so it must be longer than the heartbeat timeout.
+    """
+
+    enabled: bool = True
+    """Recover failed ranks in place with a spare (off: a failure stops the job, as without hotspare)."""
+    heartbeat_interval_s: float = 0.5
+    """Seconds between a worker's heartbeats to the control store."""
+    heartbeat_timeout_s: float = 10.0
+    """Silence after which a worker is declared hung and killed by its launcher."""
+    collective_timeout_s: float = 120.0
+    """Timeout of every process group hotspare creates (the backstop for a hang)."""
+    rendezvous_timeout_s: float = 60.0
+    """Longest wait for the coordinator's plan and for the new generation's members."""
+    max_recoveries: int = 16
+    """Recoveries after which the job stops instead (a failure that recurs is not a transient fault)."""
+
+    def __post_init__(self) -> None:
+        for key in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s", "rendezvous_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"recovery.{key}={getattr(self, key)} must be > 0")
+        if not self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s:
+            raise ConfigError(f"recovery.heartbeat_timeout_s={self.heartbeat_timeout_s} must be at least twice "
+                              f"recovery.heartbeat_interval_s={self.heartbeat_interval_s}, or one late beat "
+                              f"kills a healthy worker")
+        if not self.collective_timeout_s > self.heartbeat_timeout_s:
+            raise ConfigError(f"recovery.collective_timeout_s={self.collective_timeout_s} must be longer than "
+                              f"recovery.heartbeat_timeout_s={self.heartbeat_timeout_s}: a hung peer is found by "
+                              f"its missing heartbeats, and a collective must not give up first")
+        if self.max_recoveries < 0:
+            raise ConfigError(f"recovery.max_recoveries={self.max_recoveries} must be >= 0")
+
+
+@dataclass
 class HotspareConfig:
     """The ``"hotspare"`` section of a DeepSpeed JSON config."""
 
@@ -67,6 +107,8 @@ class HotspareConfig:
     """Directory for the JSON-lines event log (one file per rank); empty disables the log."""
     mirror: MirrorConfig = field(default_factory=MirrorConfig)
     """Peer mirroring of unique state (FFTrainer-style neighbouring redundancy)."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """Failure detection and in-place recovery."""
 
 
 def check_choice(key: str, value: Any, allowed: tuple) -> None:

@@ -16,6 +16,10 @@ HOTSPARE_NODE_RANK = "HOTSPARE_NODE_RANK"
 HOTSPARE_NUM_NODES = "HOTSPARE_NUM_NODES"
 HOTSPARE_JOB_ID = "HOTSPARE_JOB_ID"
 HOTSPARE_GENERATION = "HOTSPARE_GENERATION"
+# "active" (started with a rank) or "spare" (waits for a takeover order).
+HOTSPARE_ROLE = "HOTSPARE_ROLE"
+# This process's worker id in the control store (a<rank> or s<node>.<k>).
+HOTSPARE_WORKER_ID = "HOTSPARE_WORKER_ID"
 # Seconds a worker waits for the store and for the first rendezvous.
 HOTSPARE_STORE_TIMEOUT_S = "HOTSPARE_STORE_TIMEOUT_S"
 

@@ -12,7 +12,9 @@ logical node.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from . import env
+from . import control, env
 
 POLL_INTERVAL_S = 0.05
 
@@ -44,12 +46,16 @@ class LaunchSpec:
     """Control-store port; 0 picks a free one (single-node jobs only)."""
     logical_nodes: int = 1
     """Logical nodes this machine's workers are split into (nnodes must be 1 when > 1)."""
+    spares_per_node: int = 0
+    """Standby workers per (logical) node; each can take the place of a failed rank."""
     job_id: str = ""
     """Job identifier (shared-memory and log names); random when empty."""
     store_timeout_s: float = 60.0
     """How long workers wait to reach the store; also the store's own timeout."""
     term_grace_s: float = 10.0
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    settle_s: float = 0.2
+    """After a failure, how long the coordinator waits for further failures before it plans."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Added to every worker's environment."""
 
@@ -65,6 +71,8 @@ class LaunchSpec:
         if self.nproc_per_node % self.logical_nodes:
             raise ValueError(f"--nproc-per-node={self.nproc_per_node} is not divisible by "
                              f"--logical-nodes={self.logical_nodes}")
+        if self.spares_per_node < 0:
+            raise ValueError(f"--spares-per-node={self.spares_per_node} must be >= 0")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required when --nnodes > 1 (every launcher must find the store)")
         if not self.script:
@@ -75,67 +83,140 @@ def _log(msg: str) -> None:
     print(f"[hotspare-run] {msg}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class Worker:
+    """One process this launcher started."""
+
+    wid: str
+    node: int
+    proc: subprocess.Popen
+    rank: int = -1
+    """Active rank, or -1 while a spare."""
+    done: bool = False
+    """Exit handled (reported or accepted)."""
+    beat: int = -1
+    beat_seen: float = 0.0
+    beat_timeout: float = 0.0
+
+
 class Launcher:
-    """Starts and watches this node's workers."""
+    """Starts and watches this node's workers; node 0's launcher also coordinates recoveries.
+
+    Unlike torchrun, a failed worker does not stop the others: it is reported to the control
+    store, the coordinator (node 0) plans which spare takes its rank in a new generation, and
+    the spare's launcher starts a new spare. Without a spare the job stops with the failed
+    worker's exit code.
+    """
 
     def __init__(self, spec: LaunchSpec):
         spec.validate()
         self.spec = spec
         self.job_id = spec.job_id or uuid.uuid4().hex[:12]
         self.store = None
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.port = 0
+        self.workers: dict[str, Worker] = {}
+        self.generation = 0
+        self.exit_code: int | None = None
+        self._spare_counter: dict[int, int] = {}
         self._stopping = False
+        self._fail_read = 0
+        self._spare_read = 0
+        self._spares: list[tuple[str, int]] = []  # registered, not yet promoted (coordinator)
+        self._pending: list[control.Failure] = []
+        self._pending_since = 0.0
 
     @property
     def world_size(self) -> int:
         return self.spec.nnodes * self.spec.nproc_per_node
 
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        return {w.wid: w.proc for w in self.workers.values()}
+
     def _open_store(self) -> int:
         import torch.distributed as dist
 
+        timeout = datetime.timedelta(seconds=self.spec.store_timeout_s)
         if self.spec.node_rank != 0:
+            self.store = dist.TCPStore(self.spec.master_addr, self.spec.master_port, is_master=False,
+                                       timeout=timeout, wait_for_workers=False)
             return self.spec.master_port
         self.store = dist.TCPStore(self.spec.master_addr, self.spec.master_port, is_master=True,
-                                   timeout=datetime.timedelta(seconds=self.spec.store_timeout_s),
-                                   wait_for_workers=False)
+                                   timeout=timeout, wait_for_workers=False)
         return self.store.port
 
-    def _worker_env(self, local_rank: int, port: int) -> dict[str, str]:
+    def _node_of(self, local_rank: int) -> tuple[int, int]:
         s = self.spec
-        rank = s.node_rank * s.nproc_per_node + local_rank
         if s.logical_nodes > 1:
-            node, num_nodes = local_rank // (s.nproc_per_node // s.logical_nodes), s.logical_nodes
-        else:
-            node, num_nodes = s.node_rank, s.nnodes
+            return local_rank // (s.nproc_per_node // s.logical_nodes), s.logical_nodes
+        return s.node_rank, s.nnodes
+
+    def _local_nodes(self) -> list[int]:
+        s = self.spec
+        return list(range(s.logical_nodes)) if s.logical_nodes > 1 else [s.node_rank]
+
+    def _base_env(self, node: int, num_nodes: int) -> dict[str, str]:
+        s = self.spec
         worker_env = dict(os.environ)
         worker_env.update(s.extra_env)
         worker_env.update({
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(s.nproc_per_node), "MASTER_ADDR": s.master_addr, "MASTER_PORT": str(port),
-            env.HOTSPARE_STORE_HOST: s.master_addr, env.HOTSPARE_STORE_PORT: str(port),
+            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(s.nproc_per_node),
+            "MASTER_ADDR": s.master_addr, "MASTER_PORT": str(self.port),
+            env.HOTSPARE_STORE_HOST: s.master_addr, env.HOTSPARE_STORE_PORT: str(self.port),
             env.HOTSPARE_NODE_RANK: str(node), env.HOTSPARE_NUM_NODES: str(num_nodes),
             env.HOTSPARE_JOB_ID: self.job_id, env.HOTSPARE_GENERATION: "0",
             env.HOTSPARE_STORE_TIMEOUT_S: str(s.store_timeout_s),
         })
         return worker_env
 
+    def _spawn(self, wid: str, worker_env: dict[str, str]) -> subprocess.Popen:
+        # Own session per worker, so stopping one also stops whatever it spawned.
+        return subprocess.Popen([sys.executable, *self.spec.script], env=worker_env, start_new_session=True)
+
+    def _worker_env(self, local_rank: int, port: int) -> dict[str, str]:
+        self.port = port
+        node, num_nodes = self._node_of(local_rank)
+        rank = self.spec.node_rank * self.spec.nproc_per_node + local_rank
+        worker_env = self._base_env(node, num_nodes)
+        worker_env.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), env.HOTSPARE_ROLE: "active",
+                           env.HOTSPARE_WORKER_ID: control.active_id(rank)})
+        return worker_env
+
+    def _start_spare(self, node: int) -> Worker:
+        k = self._spare_counter.get(node, 0)
+        self._spare_counter[node] = k + 1
+        wid = control.spare_id(node, k)
+        num_nodes = self.spec.logical_nodes if self.spec.logical_nodes > 1 else self.spec.nnodes
+        worker_env = self._base_env(node, num_nodes)
+        worker_env.update({env.HOTSPARE_ROLE: "spare", env.HOTSPARE_WORKER_ID: wid})
+        for key in ("RANK", "LOCAL_RANK"):
+            worker_env.pop(key, None)  # a spare learns its rank from its takeover order
+        worker = Worker(wid, node, self._spawn(wid, worker_env))
+        self.workers[wid] = worker
+        control.append(self.store, control.SPARE_COUNT, "spare/", json.dumps([wid, node]))
+        return worker
+
     def start(self) -> None:
         # Decide DeepSpeed's accelerator once, here, so every worker agrees (DS_ACCELERATOR=cpu
         # when this node has no GPU; a user's own setting is kept).
         env.configure_accelerator()
-        port = self._open_store()
+        self.port = self._open_store()
         _log(f"job {self.job_id}: node {self.spec.node_rank}/{self.spec.nnodes}, {self.spec.nproc_per_node} "
-             f"workers, store {self.spec.master_addr}:{port}")
+             f"workers + {self.spec.spares_per_node} spare(s) per node, store {self.spec.master_addr}:{self.port}")
         for local_rank in range(self.spec.nproc_per_node):
-            worker_env = self._worker_env(local_rank, port)
-            # Own session per worker, so stopping one also stops whatever it spawned.
-            self.procs[int(worker_env["RANK"])] = subprocess.Popen(
-                [sys.executable, *self.spec.script], env=worker_env, start_new_session=True)
+            worker_env = self._worker_env(local_rank, self.port)
+            rank = int(worker_env["RANK"])
+            wid = control.active_id(rank)
+            self.workers[wid] = Worker(wid, int(worker_env[env.HOTSPARE_NODE_RANK]), self._spawn(wid, worker_env),
+                                       rank=rank)
+        for node in self._local_nodes():
+            for _ in range(self.spec.spares_per_node):
+                self._start_spare(node)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop every worker: ``sig`` first, SIGKILL after the grace period."""
         self._stopping = True
-        live = [p for p in self.procs.values() if p.poll() is None]
+        live = [w.proc for w in self.workers.values() if w.proc.poll() is None]
         for p in live:
             _signal_group(p, sig)
         deadline = time.monotonic() + self.spec.term_grace_s
@@ -146,27 +227,156 @@ class Launcher:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
         # A worker may have left children in its session even after exiting.
-        for p in self.procs.values():
-            _signal_group(p, signal.SIGKILL)
+        for w in self.workers.values():
+            _signal_group(w.proc, signal.SIGKILL)
+
+    # ---- watching --------------------------------------------------------------------------
+
+    def _report(self, w: Worker, code: int, reason: str, detect_s: float = 0.0) -> None:
+        w.done = True
+        failure = control.Failure(worker=w.wid, rank=w.rank, code=code, reason=reason, wall_time=time.time(),
+                                  detect_s=detect_s)
+        what = f"rank {w.rank}" if w.rank >= 0 else f"spare {w.wid}"
+        how = _describe(code) if reason == "exit" else f"no heartbeat for {detect_s:.1f} s, killed"
+        _log(f"{what} ({w.wid}, node {w.node}) failed: {how}")
+        control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
+
+    def _check_heartbeat(self, w: Worker, now: float) -> None:
+        key = f"hb/{w.wid}"
+        if not self.store.check([key]):
+            return
+        beat = int(self.store.get(key))
+        if beat < 0:  # the worker said goodbye
+            w.beat_timeout = 0.0
+            return
+        if beat != w.beat:
+            if w.beat < 0:
+                w.beat_timeout = float(self.store.get(key + "/timeout"))
+            w.beat, w.beat_seen = beat, now
+        elif w.beat_timeout and now - w.beat_seen > w.beat_timeout:
+            _signal_group(w.proc, signal.SIGKILL)
+            w.proc.wait()
+            self._report(w, w.proc.returncode, "heartbeat", detect_s=now - w.beat_seen)
+
+    def _watch(self) -> None:
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if w.done:
+                continue
+            code = w.proc.poll()
+            if code is None:
+                self._check_heartbeat(w, now)
+            elif code == 0:
+                w.done = True
+            elif not self._stopping:
+                self._report(w, code, "exit")
+
+    def _follow_plans(self) -> None:
+        """Apply every new plan: promoted spares of this node become ranks; start their successors."""
+        while self.store.check([f"plan/{self.generation + 1}"]):
+            plan = control.Plan.from_json(self.store.get(f"plan/{self.generation + 1}"))
+            self.generation = plan.generation
+            if plan.abort:
+                if self.exit_code is None:
+                    self.exit_code = _plan_exit_code(plan)
+                return
+            for rank, wid in plan.replaced.items():
+                w = self.workers.get(wid)
+                if w is not None:
+                    w.rank = int(rank)
+                    _log(f"generation {plan.generation}: spare {wid} takes rank {rank}; starting a new spare "
+                         f"on node {w.node}")
+                    self._start_spare(w.node)
+
+    def _coordinate(self) -> None:
+        """Node 0 only: turn reported failures into the next generation's plan."""
+        for text in control.read_list(self.store, control.SPARE_COUNT, "spare/", self._spare_read):
+            self._spare_read += 1
+            wid, node = json.loads(text)
+            self._spares.append((wid, node))
+        for text in control.read_list(self.store, control.FAIL_COUNT, "fail/", self._fail_read):
+            self._fail_read += 1
+            failure = control.Failure(**json.loads(text))
+            self._spares = [s for s in self._spares if s[0] != failure.worker]
+            if failure.rank >= 0:
+                if not self._pending:
+                    self._pending_since = time.monotonic()
+                self._pending.append(failure)
+        if not self._pending or time.monotonic() - self._pending_since < self.spec.settle_s:
+            return
+        failures, self._pending = self._pending, []
+        previous = self._current_plan()
+        workers = dict(previous.workers)
+        ready = [s for s in self._spares if self.store.check([f"ready/{s[0]}"])]
+        dead = {f.rank: self._node_of_rank(f.rank) for f in failures}
+        choice = control.choose_spares(dead, ready) if ready or not dead else None
+        g = self.generation + 1
+        if choice is None:
+            lost = ", ".join(f"rank {f.rank} ({_describe(f.code) if f.reason == 'exit' else 'hung'})"
+                             for f in failures)
+            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain; start hotspare-run with "
+                      f"--spares-per-node >= 1 to replace failed ranks")
+            plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
+                                abort=reason)
+            _log(f"cannot recover: {reason}")
+        else:
+            for rank, wid in choice.items():
+                workers[str(rank)] = wid
+            self._spares = [s for s in self._spares if s[0] not in choice.values()]
+            plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
+                                failures=[dataclasses.asdict(f) for f in failures])
+            _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
+        self.store.set(f"plan/{g}", plan.to_json())
+        for wid in plan.replaced.values():
+            self.store.set(f"order/{wid}", str(g))
+
+    def _current_plan(self) -> control.Plan:
+        if self.generation == 0:
+            return control.Plan(0, self.world_size, {str(r): control.active_id(r) for r in range(self.world_size)})
+        return control.Plan.from_json(self.store.get(f"plan/{self.generation}"))
+
+    def _node_of_rank(self, rank: int) -> int:
+        s = self.spec
+        if s.logical_nodes > 1:
+            return rank // (s.nproc_per_node // s.logical_nodes)
+        return rank // s.nproc_per_node
 
     def wait(self) -> int:
-        """Block until every worker exits; return the job's exit code."""
+        """Block until the job ends; return its exit code."""
         while True:
-            codes = {rank: p.poll() for rank, p in self.procs.items()}
-            failed = {r: c for r, c in codes.items() if c not in (None, 0)}
-            if failed and not self._stopping:
-                rank, code = min(failed.items())
-                _log(f"rank {rank} exited with code {code} ({_describe(code)}); this launcher has no "
-                     f"spare to replace it, stopping the other workers")
+            self._watch()
+            if self.spec.node_rank == 0:
+                self._coordinate()
+            self._follow_plans()
+            if self.exit_code is not None:
                 self.stop()
-                return code if code > 0 else 128 - code
-            if all(c is not None for c in codes.values()):
-                return max((c if c >= 0 else 128 - c for c in codes.values()), default=0)
+                return self.exit_code
+            active = [w for w in self.workers.values() if w.rank >= 0 and not _failed(w)]
+            if active and all(w.proc.poll() == 0 for w in active):
+                # Training finished: release the spares (they wait for an order or this key).
+                self.store.set("shutdown", "1")
+                self._stopping = True
+                deadline = time.monotonic() + self.spec.term_grace_s
+                while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers.values()):
+                    time.sleep(POLL_INTERVAL_S)
+                self.stop()
+                return 0
             time.sleep(POLL_INTERVAL_S)
 
     def close(self) -> None:
         self.stop(signal.SIGKILL)
         self.store = None
+
+
+def _failed(w: Worker) -> bool:
+    code = w.proc.poll()
+    return code is not None and code != 0
+
+
+def _plan_exit_code(plan: control.Plan) -> int:
+    codes = [f["code"] for f in plan.failures] or [1]
+    code = codes[0]
+    return code if code > 0 else 128 - code
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
@@ -214,6 +424,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
                    help="HOST:PORT of the control store; overrides --master-addr/--master-port")
     p.add_argument("--logical-nodes", type=int, default=1)
+    p.add_argument("--spares-per-node", "--spares_per_node", type=int, default=0)
     p.add_argument("--job-id", default="")
     p.add_argument("--store-timeout", type=float, default=60.0)
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
@@ -228,7 +439,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
         port = int(port_s)
     script = (["-m"] if a.module else []) + [a.script, *a.script_args]
     return LaunchSpec(script=script, nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
-                      master_addr=addr, master_port=port, logical_nodes=a.logical_nodes, job_id=a.job_id,
+                      master_addr=addr, master_port=port, logical_nodes=a.logical_nodes,
+                      spares_per_node=a.spares_per_node, job_id=a.job_id,
                       store_timeout_s=a.store_timeout)
 
 

@@ -1,0 +1,137 @@
+"""The control plane: what launchers and workers tell each other through the control store.
+
+Every key lives in the launcher-owned TCPStore (see :mod:`hotspare.generation`), outside any
+generation's prefix, so it survives rebuilds. Values are small JSON documents or integers;
+nothing here carries state bytes.
+
+Keys:
+- ``fail/count``, ``fail/<i>``: failures seen by any launcher (a worker exited, or missed its
+  heartbeats and was killed), appended with an atomic counter.
+- ``spare/count``, ``spare/<i>``: spares registered by their launchers (worker id and node).
+- ``ready/<wid>``: set by a spare once it waits for an order (imports done, model built).
+- ``hb/<wid>``: a worker's heartbeat counter; ``hb/<wid>/timeout`` its allowed silence.
+- ``plan/<g>``: the coordinator's plan for generation g (JSON, see :class:`Plan`).
+- ``order/<wid>``: a spare's takeover order: the generation it joins (the plan says as whom).
+
+Worker ids: ``a<rank>`` for the ranks started active, ``s<node>.<k>`` for spares.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+FAIL_COUNT = "fail/count"
+SPARE_COUNT = "spare/count"
+STORE_POLL_S = 0.02
+
+
+def active_id(rank: int) -> str:
+    return f"a{rank}"
+
+
+def spare_id(node: int, k: int) -> str:
+    return f"s{node}.{k}"
+
+
+@dataclass
+class Failure:
+    """One failure a launcher saw."""
+
+    worker: str
+    """Worker id (``a<rank>`` or ``s<node>.<k>``)."""
+    rank: int
+    """The active rank it held, or -1 for a spare."""
+    code: int
+    """Exit code (negative: killed by that signal)."""
+    reason: str
+    """'exit' (the process ended) or 'heartbeat' (it stopped beating and was killed)."""
+    wall_time: float
+    """time.time() when the launcher saw it (fault-to-detection is measured from here backwards)."""
+    detect_s: float = 0.0
+    """For 'heartbeat': seconds of silence before the launcher acted."""
+
+
+@dataclass
+class Plan:
+    """The coordinator's decision for one generation."""
+
+    generation: int
+    world_size: int
+    workers: dict[str, str]
+    """Active rank (as a string, JSON keys) -> worker id, for every rank."""
+    replaced: dict[str, str] = field(default_factory=dict)
+    """Rank -> worker id of the spare that takes it in this generation."""
+    failures: list[dict] = field(default_factory=list)
+    """The failures this plan answers (asdict of :class:`Failure`)."""
+    abort: str = ""
+    """Non-empty: the job cannot go on; every worker stops with this message."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Plan":
+        return cls(**json.loads(text))
+
+    def rank_of(self, worker: str) -> int | None:
+        for rank, wid in self.workers.items():
+            if wid == worker:
+                return int(rank)
+        return None
+
+
+def choose_spares(dead: Mapping[int, int], spares: Sequence[tuple[str, int]]) -> dict[int, str] | None:
+    """Which spare takes which dead rank: a pure function.
+
+    ``dead``: rank -> node of each failed active rank; ``spares``: (worker id, node) of each
+    ready spare, in registration order. A spare on the dead rank's own node is preferred (its
+    launcher owns the rank's device and, later, its keeper); otherwise the spare of the node
+    with most spares left. Returns None when there are fewer spares than dead ranks.
+    """
+    if len(spares) < len(dead):
+        return None
+    left = list(spares)
+    out: dict[int, str] = {}
+    for rank in sorted(dead):
+        same = [s for s in left if s[1] == dead[rank]]
+        if same:
+            pick = same[0]
+        else:
+            count = {n: sum(1 for _, m in left if m == n) for _, n in left}
+            pick = max(left, key=lambda s: (count[s[1]], -left.index(s)))
+        out[rank] = pick[0]
+        left.remove(pick)
+    return out
+
+
+def append(store, counter: str, prefix: str, value: str) -> int:
+    """Append ``value`` to a store list (``<prefix><i>``); returns its index."""
+    index = store.add(counter, 1) - 1
+    store.set(f"{prefix}{index}", value)
+    return index
+
+
+def read_list(store, counter: str, prefix: str, start: int) -> list[str]:
+    """Entries ``start ..`` of a store list that are fully written."""
+    n = store.add(counter, 0)
+    out = []
+    for i in range(start, n):
+        key = f"{prefix}{i}"
+        if not store.check([key]):
+            break  # counted but not written yet: read it on the next poll
+        out.append(store.get(key).decode())
+    return out
+
+
+def wait_key(store, key: str, timeout_s: float, what: str, should_stop=None) -> bytes:
+    """Poll for ``key`` (so the wait stays interruptible); raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if should_stop is not None:
+            should_stop()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what} (store key {key!r})")
+        time.sleep(STORE_POLL_S)
+    return store.get(key)

@@ -1,0 +1,97 @@
+"""Recovery planning: which version to land on and where each rank's bytes come from.
+
+Pure functions over what every rank reported after the new generation formed; every rank
+computes the same plan from the same all-gathered report, so no one has to send it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+SELF = -1
+"""Source marker: the rank restores from its own retained snapshot."""
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one rank of the new generation can offer."""
+
+    own: frozenset[int] = frozenset()
+    """Versions of its own unique state it still holds (empty for a spare that just joined)."""
+    held: Mapping[int, int] = field(default_factory=dict)
+    """Source rank -> committed version of that source's mirror it holds."""
+    send_rate: float = 0.0
+    """Measured bytes/s of its mirror sends (0 when unknown); weights the load split."""
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    version: int
+    """The version every rank lands on."""
+    sources: dict[int, tuple[int, ...]]
+    """Rank -> (SELF,) or the holder ranks its bytes are fetched from."""
+
+
+class NoConsistentVersion(RuntimeError):
+    """No version is held for every rank; the message says which ranks' state is lost."""
+
+
+def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) -> RestorePlan:
+    """The newest version available for every rank, preferring each rank's own copy.
+
+    ``new_ranks`` are the ranks a spare took in this generation: their own state died with
+    them, so they can only be restored from holders. A version is usable when every rank
+    either holds it itself or some other rank holds a committed copy of it.
+    """
+    new = set(new_ranks)
+    world = len(holdings)
+    candidates = set()
+    for r, h in enumerate(holdings):
+        if r not in new:
+            candidates |= set(h.own)
+        candidates |= set(h.held.values())
+    best_missing: list[int] | None = None
+    for v in sorted(candidates, reverse=True):
+        sources, missing = {}, []
+        for r in range(world):
+            if r not in new and v in holdings[r].own:
+                sources[r] = (SELF,)
+                continue
+            holders = tuple(h for h in range(world) if h != r and holdings[h].held.get(r) == v)
+            if holders:
+                sources[r] = holders
+            else:
+                missing.append(r)
+        if not missing:
+            return RestorePlan(v, sources)
+        if best_missing is None:
+            best_missing = missing
+    detail = (f"at the newest version held anywhere ({max(candidates)}), no copy exists of rank(s) "
+              f"{', '.join(map(str, best_missing))}" if candidates else "no rank holds any version")
+    raise NoConsistentVersion(f"no version of the training state is held for every rank: {detail} "
+                              f"(lost ranks this generation: {sorted(new) or 'none'})")
+
+
+def split_load(nbytes: int, holders: Sequence[int], rates: Sequence[float], align: int = 64) -> list[tuple[int, int, int]]:
+    """Split a ``nbytes`` restore across ``holders`` in proportion to their ``rates``.
+
+    Returns (holder, offset, length) ranges that tile [0, nbytes) in order, with every boundary
+    a multiple of ``align``. Unknown (zero) rates count as the mean of the known ones, or as
+    equal when none is known. A holder whose share rounds to nothing is left out.
+    """
+    if not holders:
+        raise ValueError("split_load needs at least one holder")
+    if len(rates) != len(holders):
+        raise ValueError(f"{len(holders)} holders but {len(rates)} rates")
+    known = [r for r in rates if r > 0]
+    fill = sum(known) / len(known) if known else 1.0
+    weights = [r if r > 0 else fill for r in rates]
+    total = sum(weights)
+    out, offset, acc = [], 0, 0.0
+    for i, (h, w) in enumerate(zip(holders, weights)):
+        acc += w
+        end = nbytes if i == len(holders) - 1 else min(nbytes, int(round(nbytes * acc / total / align)) * align)
+        if end > offset:
+            out.append((h, offset, end - offset))
+            offset = end
+    return out

@@ -1,0 +1,90 @@
+"""The worker's side of the control plane: heartbeats, a spare's wait, and waiting for plans.
+
+See :mod:`hotspare.control` for the keys.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from . import control, env
+from .generation import store_from_env
+
+
+def role() -> str:
+    """'active' or 'spare' (a process not started by hotspare-run is active)."""
+    value = os.environ.get(env.HOTSPARE_ROLE, "active")
+    if value not in ("active", "spare"):
+        raise RuntimeError(f"{env.HOTSPARE_ROLE}={value!r}: expected 'active' or 'spare'")
+    return value
+
+
+def worker_id() -> str:
+    wid = os.environ.get(env.HOTSPARE_WORKER_ID)
+    if wid:
+        return wid
+    return control.active_id(env.env_int("RANK", 0))
+
+
+class Heartbeat:
+    """Beats ``hb/<wid>`` every ``interval_s`` from a thread with its own store connection.
+
+    The launcher kills a worker whose counter stops moving for ``timeout_s`` (published once
+    in ``hb/<wid>/timeout``). ``close`` writes -1: a worker that says goodbye is not hung.
+    The thread only waits on an Event and does one store write per beat, so it keeps beating
+    while the training thread is blocked inside a collective (which releases the GIL).
+    """
+
+    def __init__(self, wid: str, interval_s: float, timeout_s: float, store=None):
+        self.wid, self.interval_s = wid, interval_s
+        self._store = store if store is not None else store_from_env()
+        self._store.set(f"hb/{wid}/timeout", str(timeout_s))
+        self._beat = 0
+        self._store.set(f"hb/{wid}", "0")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"hotspare-heartbeat-{wid}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._beat += 1
+            try:
+                self._store.set(f"hb/{self.wid}", str(self._beat))
+            except Exception:  # noqa: BLE001 - the launcher is gone: nobody is listening
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 5)
+        try:
+            self._store.set(f"hb/{self.wid}", "-1")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class Shutdown(Exception):
+    """The job ended while this spare waited; the spare exits cleanly."""
+
+
+def wait_for_order(store, wid: str) -> control.Plan:
+    """A spare: announce readiness, then wait (without limit) for a takeover order.
+
+    Raises :class:`Shutdown` when the job ends first. Losing the store (the launcher died)
+    raises the store's error, so an orphaned spare does not wait forever.
+    """
+    store.set(f"ready/{wid}", "1")
+    while True:
+        if store.check([f"order/{wid}"]):
+            g = int(store.get(f"order/{wid}"))
+            return control.Plan.from_json(store.get(f"plan/{g}"))
+        if store.check(["shutdown"]):
+            raise Shutdown()
+        time.sleep(control.STORE_POLL_S)
+
+
+def wait_for_plan(store, generation: int, timeout_s: float) -> control.Plan:
+    """A survivor after a failure: the coordinator's plan for ``generation``."""
+    text = control.wait_key(store, f"plan/{generation}", timeout_s,
+                            f"the coordinator's plan for generation {generation} (is hotspare-run the launcher?)")
+    return control.Plan.from_json(text)
