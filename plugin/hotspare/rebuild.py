@@ -1,0 +1,214 @@
+"""Rebuilding process groups in place: every handle a host framework holds is re-pointed.
+
+After a failure the old generation's groups are dead (gloo has no abort; a destroyed group
+cannot be revived), but DeepSpeed and its optimizer keep references to them in attributes,
+lists, dicts and on parameters (ZeRO-3's ``param.ds_process_group``). Instead of
+re-initialising the engine (which re-partitions, re-allocates and is reported to grow host
+memory, DeepSpeed issue 7204), hotspare:
+
+1. walks the host's objects in a fixed order and records every distinct ProcessGroup it finds
+   with its global ranks (:func:`find_groups`), before the old groups are destroyed;
+2. joins the new generation's default group;
+3. creates one new group per old one, in the recorded order (every rank walks the same
+   structure, so every rank creates the same groups in the same order; a signature check
+   across ranks turns any disagreement into a clear error instead of a hang);
+4. replaces each old reference by its new group (:func:`repoint`).
+
+The walk is bounded: it enters objects of the named host packages, containers, modules and
+parameters' attribute dicts, never tensor storage or foreign libraries.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import types
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+HOST_PACKAGES = ("deepspeed", "hotspare", "megatron")
+MAX_DEPTH = 12
+
+
+def _is_group(obj) -> bool:
+    return isinstance(obj, dist.ProcessGroup)
+
+
+def _enter(obj) -> bool:
+    """Whether the walk looks inside ``obj``."""
+    if isinstance(obj, (list, tuple, dict, set, frozenset)):
+        return True
+    if isinstance(obj, torch.Tensor):
+        return bool(getattr(obj, "__dict__", None))  # ZeRO-3 keeps its ds_* attributes here
+    if isinstance(obj, torch.nn.Module):
+        return True
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__.startswith(HOST_PACKAGES)
+    mod = type(obj).__module__ or ""
+    return mod.startswith(HOST_PACKAGES) and hasattr(obj, "__dict__")
+
+
+def _children(obj):
+    """(setter, child) pairs of ``obj``; setter(new) replaces that reference."""
+    if isinstance(obj, dict):
+        for k in list(obj):
+            yield (lambda new, k=k: obj.__setitem__(k, new)), obj[k]
+    elif isinstance(obj, list):
+        for i in range(len(obj)):
+            yield (lambda new, i=i: obj.__setitem__(i, new)), obj[i]
+    elif isinstance(obj, (tuple, set, frozenset)):
+        for v in list(obj):
+            yield None, v  # immutable: the parent's reference is replaced (see _walk)
+    else:
+        d = obj.__dict__ if not isinstance(obj, types.ModuleType) else vars(obj)
+        for k in sorted(d):
+            yield (lambda new, k=k: setattr(obj, k, new) if not isinstance(obj, types.ModuleType)
+                   else vars(obj).__setitem__(k, new)), d[k]
+
+
+def _walk(roots: Iterable, visit) -> None:
+    """Depth-first over ``roots`` in order; ``visit(group, setter, parent)`` for each group reference."""
+    seen: set[int] = set()
+
+    def go(obj, depth):
+        if id(obj) in seen or depth > MAX_DEPTH:
+            return
+        seen.add(id(obj))
+        for setter, child in _children(obj):
+            if _is_group(child):
+                visit(child, setter, obj)
+            elif _enter(child):
+                go(child, depth + 1)
+
+    for root in roots:
+        if _enter(root):
+            go(root, 0)
+
+
+@dataclass
+class GroupRecord:
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+    backend: str
+
+
+def find_groups(roots: Iterable) -> list[GroupRecord]:
+    """Every distinct ProcessGroup reachable from ``roots``, in walk order, with its global ranks.
+
+    Call while the groups are still registered (before ``destroy_process_group``).
+    """
+    out: list[GroupRecord] = []
+    ids: set[int] = set()
+
+    def visit(group, _setter, _parent):
+        if id(group) in ids:
+            return
+        ids.add(id(group))
+        try:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            backend = str(dist.get_backend(group))
+        except (ValueError, RuntimeError) as exc:
+            raise RuntimeError(f"a process group held by the host is not registered with torch.distributed "
+                               f"({exc}); it cannot be rebuilt") from None
+        out.append(GroupRecord(group, ranks, backend))
+
+    _walk(roots, visit)
+    return out
+
+
+def signature(records: list[GroupRecord], world_size: int) -> str:
+    """What every rank must agree on before creating groups: the rank sets, in order.
+
+    The default group's size is normalised (a full-world group records as 'world'), so
+    different generations of the same world agree.
+    """
+    parts = ["world" if len(r.ranks) == world_size and r.ranks == tuple(range(world_size)) else
+             ",".join(map(str, r.ranks)) for r in records]
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16] + f"/{len(parts)}"
+
+
+def check_signature(records: list[GroupRecord], world_size: int) -> None:
+    """All-gather the signature over the (new) default group; raise if any rank differs."""
+    mine = signature(records, world_size)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if len(set(everyone)) != 1:
+        raise RuntimeError(
+            f"ranks disagree on the process groups to rebuild (signatures by rank: {everyone}); a spare's "
+            f"engine must have the same group structure as the survivors'. Are all ranks running the same "
+            f"script and config?")
+
+
+def create_groups(records: list[GroupRecord], timeout_s: float, backend: str | None = None) -> dict[int, dist.ProcessGroup]:
+    """New groups for the current default group, one per record, in order: {id(old): new}.
+
+    A record spanning the whole world with the default group's object becomes the new default
+    group itself; every other record gets a ``new_group`` with the same ranks.
+    """
+    world = dist.get_world_size()
+    default = dist.distributed_c10d._get_default_group()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mapping: dict[int, dist.ProcessGroup] = {}
+    for rec in records:
+        if rec.ranks == tuple(range(world)) and getattr(rec, "was_default", False):
+            mapping[id(rec.group)] = default
+            continue
+        mapping[id(rec.group)] = dist.new_group(list(rec.ranks), timeout=timeout,
+                                                backend=backend or rec.backend)
+    return mapping
+
+
+def mark_default(records: list[GroupRecord]) -> None:
+    """Flag the record that is the current default group (call before it is destroyed)."""
+    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    for rec in records:
+        rec.was_default = rec.group is default
+
+
+def repoint(roots: Iterable, mapping: dict[int, dist.ProcessGroup]) -> int:
+    """Replace every reference to an old group by its new one; returns how many were replaced.
+
+    Tuples and sets holding groups are rebuilt and replaced in their parent. A group reached
+    that is not in ``mapping`` is an error: it would be a dead handle after the rebuild.
+    """
+    count = 0
+    immutables: list = []
+
+    def visit(group, setter, parent):
+        nonlocal count
+        if id(group) not in mapping:
+            if any(group is g for g in mapping.values()):
+                return  # already new (reached twice through different paths)
+            raise RuntimeError("found a process group that was not recorded before the rebuild; it would stay "
+                               "dead. Record groups with find_groups() on the same roots.")
+        if setter is None:
+            immutables.append(parent)
+            return
+        setter(mapping[id(group)])
+        count += 1
+
+    _walk(roots, visit)
+    if immutables:
+        # Rebuild tuples/sets that contained groups and replace them wherever they are referenced.
+        replace = {id(t): type(t)(mapping.get(id(v), v) if _is_group(v) else v for v in t) for t in immutables}
+
+        def visit_parent(obj, depth, seen):
+            if id(obj) in seen or depth > MAX_DEPTH:
+                return
+            seen.add(id(obj))
+            for setter, child in _children(obj):
+                if id(child) in replace and setter is not None:
+                    setter(replace[id(child)])
+                    count_box[0] += 1
+                elif _enter(child) and not _is_group(child):
+                    visit_parent(child, depth + 1, seen)
+
+        count_box = [0]
+        seen: set[int] = set()
+        for root in roots:
+            if _enter(root):
+                visit_parent(root, 0, seen)
+        count += count_box[0]
+    return count

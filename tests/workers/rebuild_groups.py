@@ -1,0 +1,74 @@
+"""Worker for tests/test_rebuild.py: trains a ZeRO engine, then (mode 'rebuild') destroys every
+process group, joins generation 1 on the same control store, re-points every group handle
+DeepSpeed holds to new groups (hotspare.rebuild) and trains on. Writes the per-step losses
+and digests, and what the rebuild found, to OUT/rank<R>.json."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import hotspare
+from hotspare import rebuild
+from hotspare.env import make_deterministic
+from hotspare.generation import Generation, join, leave
+from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
+from hotspare.testing.gpt import GPT, GPTConfig
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(stage: int, mode: str, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    make_deterministic(0)
+    import deepspeed
+    import deepspeed.comm.comm
+    import deepspeed.utils.groups
+
+    deepspeed.utils.logger.setLevel("ERROR")
+    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=16))
+    ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+          "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000}}
+    session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
+    engine, rank, world = session.engine, dist.get_rank(), dist.get_world_size()
+    roots = [engine, deepspeed.utils.groups, deepspeed.comm.comm]
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(4)]
+    losses, found = [], {}
+    for step, tokens in enumerate(batches):
+        if step == 2 and mode == "rebuild":
+            records = rebuild.find_groups(roots)
+            rebuild.mark_default(records)
+            found["before"] = [[list(r.ranks), r.was_default] for r in records]
+            old = [r.group for r in records]
+            leave()
+            join(session.store, Generation(1, rank, world), "gloo", 60)
+            rebuild.check_signature(records, world)
+            found["replaced"] = rebuild.repoint(roots, rebuild.create_groups(records, 60, backend="gloo"))
+            after = rebuild.find_groups(roots)
+            found["old_left"] = sum(1 for r in after if any(r.group is g for g in old))
+            found["after"] = len(after)
+        loss = engine(tokens, tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss).hex())
+    result = {"losses": losses, "fp32": digest(fp32_partitions(engine)),
+              "optim": digest(t for _, t in optimizer_state_tensors(engine)), "found": found}
+    session.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
