@@ -311,6 +311,11 @@ class Launcher:
         dead = {f.rank: self._node_of_rank(f.rank) for f in failures}
         choice = control.choose_spares(dead, ready) if ready or not dead else None
         g = self.generation + 1
+        if choice is None and len(self._spares) >= len(dead) and \
+                time.monotonic() - self._pending_since < self.spec.store_timeout_s:
+            # Enough spares exist but some are still starting (imports, model build): wait for them.
+            self._pending = failures + self._pending
+            return
         if choice is None:
             lost = ", ".join(f"rank {f.rank} ({_describe(f.code) if f.reason == 'exit' else 'hung'})"
                              for f in failures)

@@ -14,25 +14,20 @@ import torch.distributed as dist
 def main(stage: int, rank: int, world: int) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    from hotspare.env import configure_accelerator, make_deterministic
+    from hotspare.env import configure_accelerator
 
     configure_accelerator()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    make_deterministic(0)
     import deepspeed
     import deepspeed.utils.groups
+    from tiny import tiny_model_and_config
 
     from hotspare import rebuild
     from hotspare.integrations.deepspeed import fp32_partitions
-    from hotspare.testing.gpt import GPT, GPTConfig
 
-    deepspeed.utils.logger.setLevel("ERROR")
-    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=16))
-    ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000}}
+    model, ds = tiny_model_and_config(stage)
     deepspeed.init_distributed("gloo")
     engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
     records = rebuild.find_groups([engine, deepspeed.utils.groups])

@@ -5,28 +5,17 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
 
 import hotspare
-from hotspare.env import make_deterministic
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
-from hotspare.testing.gpt import GPT, GPTConfig
+from tiny import tiny_model_and_config
 
 
 def main(stage: int, dtype: str, out: str) -> None:
-    warnings.filterwarnings("ignore")
-    make_deterministic(0)
-    import deepspeed
-
-    deepspeed.utils.logger.setLevel("ERROR")
-    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=16))
-    ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000},
-          "hotspare": {"enabled": True}}
+    model, ds = tiny_model_and_config(stage, hotspare={"enabled": True})
     if dtype == "bf16":
         ds["bf16"] = {"enabled": True}
     session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())

@@ -8,17 +8,15 @@ import hashlib
 import json
 import os
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
 
 import hotspare
 from hotspare import rebuild
-from hotspare.env import make_deterministic
 from hotspare.generation import Generation, join, leave
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
-from hotspare.testing.gpt import GPT, GPTConfig
+from tiny import tiny_model_and_config
 
 
 def digest(tensors) -> str:
@@ -29,17 +27,10 @@ def digest(tensors) -> str:
 
 
 def main(stage: int, mode: str, out: str) -> None:
-    warnings.filterwarnings("ignore")
-    make_deterministic(0)
-    import deepspeed
     import deepspeed.comm.comm
     import deepspeed.utils.groups
 
-    deepspeed.utils.logger.setLevel("ERROR")
-    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=16))
-    ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-          "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000}}
+    model, ds = tiny_model_and_config(stage, lr=1e-2)
     session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
     engine, rank, world = session.engine, dist.get_rank(), dist.get_world_size()
     roots = [engine, deepspeed.utils.groups, deepspeed.comm.comm]
