@@ -125,12 +125,10 @@ def read_list(store, counter: str, prefix: str, start: int) -> list[str]:
     return out
 
 
-def wait_key(store, key: str, timeout_s: float, what: str, should_stop=None) -> bytes:
+def wait_key(store, key: str, timeout_s: float, what: str) -> bytes:
     """Poll for ``key`` (so the wait stays interruptible); raise TimeoutError naming ``what``."""
     deadline = time.monotonic() + timeout_s
     while not store.check([key]):
-        if should_stop is not None:
-            should_stop()
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:.0f} s for {what} (store key {key!r})")
         time.sleep(STORE_POLL_S)

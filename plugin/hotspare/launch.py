@@ -129,10 +129,6 @@ class Launcher:
     def world_size(self) -> int:
         return self.spec.nnodes * self.spec.nproc_per_node
 
-    @property
-    def procs(self) -> dict[str, subprocess.Popen]:
-        return {w.wid: w.proc for w in self.workers.values()}
-
     def _open_store(self) -> int:
         import torch.distributed as dist
 
@@ -145,17 +141,20 @@ class Launcher:
                                    timeout=timeout, wait_for_workers=False)
         return self.store.port
 
-    def _node_of(self, local_rank: int) -> tuple[int, int]:
-        s = self.spec
-        if s.logical_nodes > 1:
-            return local_rank // (s.nproc_per_node // s.logical_nodes), s.logical_nodes
-        return s.node_rank, s.nnodes
+    @property
+    def num_nodes(self) -> int:
+        """(Logical) nodes of the job."""
+        return self.spec.logical_nodes if self.spec.logical_nodes > 1 else self.spec.nnodes
+
+    def _node_of_rank(self, rank: int) -> int:
+        """The (logical) node a rank started on."""
+        return rank // (self.spec.nproc_per_node // self.spec.logical_nodes)
 
     def _local_nodes(self) -> list[int]:
         s = self.spec
         return list(range(s.logical_nodes)) if s.logical_nodes > 1 else [s.node_rank]
 
-    def _base_env(self, node: int, num_nodes: int) -> dict[str, str]:
+    def _base_env(self, node: int) -> dict[str, str]:
         s = self.spec
         worker_env = dict(os.environ)
         worker_env.update(s.extra_env)
@@ -163,35 +162,34 @@ class Launcher:
             "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(s.nproc_per_node),
             "MASTER_ADDR": s.master_addr, "MASTER_PORT": str(self.port),
             env.HOTSPARE_STORE_HOST: s.master_addr, env.HOTSPARE_STORE_PORT: str(self.port),
-            env.HOTSPARE_NODE_RANK: str(node), env.HOTSPARE_NUM_NODES: str(num_nodes),
+            env.HOTSPARE_NODE_RANK: str(node), env.HOTSPARE_NUM_NODES: str(self.num_nodes),
             env.HOTSPARE_JOB_ID: self.job_id, env.HOTSPARE_GENERATION: "0",
             env.HOTSPARE_STORE_TIMEOUT_S: str(s.store_timeout_s),
         })
         return worker_env
 
-    def _spawn(self, wid: str, worker_env: dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, worker_env: dict[str, str]) -> subprocess.Popen:
         # Own session per worker, so stopping one also stops whatever it spawned.
         return subprocess.Popen([sys.executable, *self.spec.script], env=worker_env, start_new_session=True)
 
-    def _worker_env(self, local_rank: int, port: int) -> dict[str, str]:
-        self.port = port
-        node, num_nodes = self._node_of(local_rank)
+    def _start_active(self, local_rank: int) -> None:
         rank = self.spec.node_rank * self.spec.nproc_per_node + local_rank
-        worker_env = self._base_env(node, num_nodes)
+        wid = control.active_id(rank)
+        node = self._node_of_rank(rank)
+        worker_env = self._base_env(node)
         worker_env.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), env.HOTSPARE_ROLE: "active",
-                           env.HOTSPARE_WORKER_ID: control.active_id(rank)})
-        return worker_env
+                           env.HOTSPARE_WORKER_ID: wid})
+        self.workers[wid] = Worker(wid, node, self._spawn(worker_env), rank=rank)
 
     def _start_spare(self, node: int) -> Worker:
         k = self._spare_counter.get(node, 0)
         self._spare_counter[node] = k + 1
         wid = control.spare_id(node, k)
-        num_nodes = self.spec.logical_nodes if self.spec.logical_nodes > 1 else self.spec.nnodes
-        worker_env = self._base_env(node, num_nodes)
+        worker_env = self._base_env(node)
         worker_env.update({env.HOTSPARE_ROLE: "spare", env.HOTSPARE_WORKER_ID: wid})
         for key in ("RANK", "LOCAL_RANK"):
             worker_env.pop(key, None)  # a spare learns its rank from its takeover order
-        worker = Worker(wid, node, self._spawn(wid, worker_env))
+        worker = Worker(wid, node, self._spawn(worker_env))
         self.workers[wid] = worker
         control.append(self.store, control.SPARE_COUNT, "spare/", json.dumps([wid, node]))
         return worker
@@ -204,11 +202,7 @@ class Launcher:
         _log(f"job {self.job_id}: node {self.spec.node_rank}/{self.spec.nnodes}, {self.spec.nproc_per_node} "
              f"workers + {self.spec.spares_per_node} spare(s) per node, store {self.spec.master_addr}:{self.port}")
         for local_rank in range(self.spec.nproc_per_node):
-            worker_env = self._worker_env(local_rank, self.port)
-            rank = int(worker_env["RANK"])
-            wid = control.active_id(rank)
-            self.workers[wid] = Worker(wid, int(worker_env[env.HOTSPARE_NODE_RANK]), self._spawn(wid, worker_env),
-                                       rank=rank)
+            self._start_active(local_rank)
         for node in self._local_nodes():
             for _ in range(self.spec.spares_per_node):
                 self._start_spare(node)
@@ -309,7 +303,7 @@ class Launcher:
         workers = dict(previous.workers)
         ready = [s for s in self._spares if self.store.check([f"ready/{s[0]}"])]
         dead = {f.rank: self._node_of_rank(f.rank) for f in failures}
-        choice = control.choose_spares(dead, ready) if ready or not dead else None
+        choice = control.choose_spares(dead, ready)
         g = self.generation + 1
         if choice is None and len(self._spares) >= len(dead) and \
                 time.monotonic() - self._pending_since < self.spec.store_timeout_s:
@@ -339,12 +333,6 @@ class Launcher:
         if self.generation == 0:
             return control.Plan(0, self.world_size, {str(r): control.active_id(r) for r in range(self.world_size)})
         return control.Plan.from_json(self.store.get(f"plan/{self.generation}"))
-
-    def _node_of_rank(self, rank: int) -> int:
-        s = self.spec
-        if s.logical_nodes > 1:
-            return rank // (s.nproc_per_node // s.logical_nodes)
-        return rank // s.nproc_per_node
 
     def wait(self) -> int:
         """Block until the job ends; return its exit code."""

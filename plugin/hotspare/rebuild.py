@@ -60,12 +60,11 @@ def _children(obj):
             yield (lambda new, i=i: obj.__setitem__(i, new)), obj[i]
     elif isinstance(obj, (tuple, set, frozenset)):
         for v in list(obj):
-            yield None, v  # immutable: the parent's reference is replaced (see _walk)
+            yield None, v  # immutable: no setter (repoint refuses a group held here)
     else:
-        d = obj.__dict__ if not isinstance(obj, types.ModuleType) else vars(obj)
+        d = vars(obj)
         for k in sorted(d):
-            yield (lambda new, k=k: setattr(obj, k, new) if not isinstance(obj, types.ModuleType)
-                   else vars(obj).__setitem__(k, new)), d[k]
+            yield (lambda new, k=k: setattr(obj, k, new)), d[k]
 
 
 def _walk(roots: Iterable, visit) -> None:
@@ -92,6 +91,8 @@ class GroupRecord:
     group: dist.ProcessGroup
     ranks: tuple[int, ...]
     backend: str
+    was_default: bool
+    """It was the default group (its replacement is the new default group, not a new_group)."""
 
 
 def find_groups(roots: Iterable) -> list[GroupRecord]:
@@ -101,6 +102,7 @@ def find_groups(roots: Iterable) -> list[GroupRecord]:
     """
     out: list[GroupRecord] = []
     ids: set[int] = set()
+    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
     def visit(group, _setter, _parent):
         if id(group) in ids:
@@ -112,7 +114,7 @@ def find_groups(roots: Iterable) -> list[GroupRecord]:
         except (ValueError, RuntimeError) as exc:
             raise RuntimeError(f"a process group held by the host is not registered with torch.distributed "
                                f"({exc}); it cannot be rebuilt") from None
-        out.append(GroupRecord(group, ranks, backend))
+        out.append(GroupRecord(group, ranks, backend, group is default))
 
     _walk(roots, visit)
     return out
@@ -152,7 +154,7 @@ def create_groups(records: list[GroupRecord], timeout_s: float, backend: str | N
     timeout = datetime.timedelta(seconds=timeout_s)
     mapping: dict[int, dist.ProcessGroup] = {}
     for rec in records:
-        if rec.ranks == tuple(range(world)) and getattr(rec, "was_default", False):
+        if rec.was_default:
             mapping[id(rec.group)] = default
             continue
         mapping[id(rec.group)] = dist.new_group(list(rec.ranks), timeout=timeout,
@@ -160,21 +162,14 @@ def create_groups(records: list[GroupRecord], timeout_s: float, backend: str | N
     return mapping
 
 
-def mark_default(records: list[GroupRecord]) -> None:
-    """Flag the record that is the current default group (call before it is destroyed)."""
-    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-    for rec in records:
-        rec.was_default = rec.group is default
-
-
 def repoint(roots: Iterable, mapping: dict[int, dist.ProcessGroup]) -> int:
     """Replace every reference to an old group by its new one; returns how many were replaced.
 
-    Tuples and sets holding groups are rebuilt and replaced in their parent. A group reached
-    that is not in ``mapping`` is an error: it would be a dead handle after the rebuild.
+    A group reached that is not in ``mapping`` is an error (it would be a dead handle after the
+    rebuild), and so is one inside a tuple or set, which cannot be replaced in place (DeepSpeed
+    0.19 holds none; tests/test_rebuild.py would show a new one).
     """
     count = 0
-    immutables: list = []
 
     def visit(group, setter, parent):
         nonlocal count
@@ -184,31 +179,10 @@ def repoint(roots: Iterable, mapping: dict[int, dist.ProcessGroup]) -> int:
             raise RuntimeError("found a process group that was not recorded before the rebuild; it would stay "
                                "dead. Record groups with find_groups() on the same roots.")
         if setter is None:
-            immutables.append(parent)
-            return
+            raise RuntimeError(f"a process group is held inside an immutable {type(parent).__name__}; hotspare "
+                               f"cannot re-point it in place")
         setter(mapping[id(group)])
         count += 1
 
     _walk(roots, visit)
-    if immutables:
-        # Rebuild tuples/sets that contained groups and replace them wherever they are referenced.
-        replace = {id(t): type(t)(mapping.get(id(v), v) if _is_group(v) else v for v in t) for t in immutables}
-
-        def visit_parent(obj, depth, seen):
-            if id(obj) in seen or depth > MAX_DEPTH:
-                return
-            seen.add(id(obj))
-            for setter, child in _children(obj):
-                if id(child) in replace and setter is not None:
-                    setter(replace[id(child)])
-                    count_box[0] += 1
-                elif _enter(child) and not _is_group(child):
-                    visit_parent(child, depth + 1, seen)
-
-        count_box = [0]
-        seen: set[int] = set()
-        for root in roots:
-            if _enter(root):
-                visit_parent(root, 0, seen)
-        count += count_box[0]
     return count

@@ -40,7 +40,6 @@ def main(stage: int, mode: str, out: str) -> None:
     for step, tokens in enumerate(batches):
         if step == 2 and mode == "rebuild":
             records = rebuild.find_groups(roots)
-            rebuild.mark_default(records)
             found["before"] = [[list(r.ranks), r.was_default] for r in records]
             old = [r.group for r in records]
             leave()

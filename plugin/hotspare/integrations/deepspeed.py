@@ -236,13 +236,14 @@ class DeepSpeedState:
     def meta(self) -> dict:
         e = self.engine
         inner = e.optimizer.optimizer
+        py_state, np_state = random.getstate(), np.random.get_state()  # each read once: this runs every step
         meta = {
             "engine": {k: int(getattr(e, k)) for k in ENGINE_COUNTERS},
             "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in inner.param_groups],
             # The rest of the two generators' states (their words are tensors, above).
-            "rng_python": {"version": random.getstate()[0], "gauss_next": random.getstate()[2]},
+            "rng_python": {"version": py_state[0], "gauss_next": py_state[2]},
             "rng_numpy": dict(zip(("kind", "pos", "has_gauss", "cached_gaussian"),
-                                  _jsonable([np.random.get_state()[i] for i in (0, 2, 3, 4)]))),
+                                  _jsonable([np_state[i] for i in (0, 2, 3, 4)]))),
         }
         if e.lr_scheduler is not None:
             meta["lr_scheduler"] = _jsonable(e.lr_scheduler.state_dict())
