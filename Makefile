@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hotspare-installed
 PYTEST_ARGS ?=
+# DeepSpeed JIT-builds its CPU ops once per venv; a cache shared with other venvs on the
+# machine forces rebuilds and lock waits.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: venv test demo slow clean
 

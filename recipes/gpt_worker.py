@@ -93,7 +93,8 @@ def main() -> int:
             own_digests[engine.global_steps] = live_digest(session.state)
             for src in mirror.sources:
                 version, buf = mirror.read_committed(src)
-                if buf is not None:
+                # Version 0 (before the first step) has no optimizer state: another layout.
+                if buf is not None and buf.numel() == mirror.layout.nbytes:
                     held_digests.append([src, version, snapshot_digest(mirror.layout, buf)])
         window_loss += loss.detach().float().cpu()
         if (step + 1) % train["log_interval"] == 0 or step + 1 == train["steps"]:

@@ -16,7 +16,9 @@ def run(out_dir, **cfg):
     return gpt_job.collect(str(out_dir), job.parallel.num_ranks)
 
 
-@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": 2, "dtype": "bf16"}],
+# ZeRO 2 (fp32 and bf16) in make test; ZeRO 1 and 3 under make slow (the suite's time budget).
+@pytest.mark.parametrize("zero", [pytest.param({"stage": 1}, marks=pytest.mark.slow), {"stage": 2},
+                                  pytest.param({"stage": 3}, marks=pytest.mark.slow), {"stage": 2, "dtype": "bf16"}],
                          ids=["zero1", "zero2", "zero3", "zero2-bf16"])
 def test_committed_copies_equal_their_sources_and_training_is_unchanged(zero, tmp_path, no_leaks):
     steps = 10
@@ -26,7 +28,8 @@ def test_committed_copies_equal_their_sources_and_training_is_unchanged(zero, tm
     checked = set()
     for r in on:
         m = r["mirror"]
-        assert m["global_committed"] == steps and m["rounds"] == steps and m["commit_failures"] == 0
+        # One round per step, plus version 0 (the initial state, so a failure in step 1 recovers).
+        assert m["global_committed"] == steps and m["rounds"] == steps + 1 and m["commit_failures"] == 0
         # Placement: 2 logical nodes of 2 ranks; each rank's holder is on the other node.
         assert len(m["holders"]) == 1 and (m["holders"][0] // 2) != (r["rank"] // 2)
         for src, version, dig in m["held_digests"]:

@@ -67,8 +67,12 @@ def test_several_holders_are_all_offered():
 def test_losing_a_rank_and_its_holder_is_reported():
     h = ring(4, [{6, 7}] * 4, [7, 7, 7, 7])
     h[2] = h[3] = Holdings()
-    with pytest.raises(NoConsistentVersion, match=r"no copy exists of rank\(s\) 2.*lost ranks this generation: \[2, 3\]"):
+    with pytest.raises(NoConsistentVersion, match=r"every copy of rank\(s\) 2 is lost.*lost ranks this generation: \[2, 3\]"):
         choose_version(h, new_ranks=[2, 3])
+    # Every rank has some version, but no one version is held for all of them.
+    split = [Holdings(own=frozenset({5}), held={1: 4}), Holdings(own=frozenset({4}), held={0: 6})]
+    with pytest.raises(NoConsistentVersion, match=r"newest version held anywhere \(6\).*no older version"):
+        choose_version(split, new_ranks=[])
     with pytest.raises(NoConsistentVersion, match="no rank holds any version"):
         choose_version([Holdings(), Holdings()], new_ranks=[0])
 

@@ -12,6 +12,8 @@ Keys:
 - ``hb/<wid>``: a worker's heartbeat counter; ``hb/<wid>/timeout`` its allowed silence.
 - ``plan/<g>``: the coordinator's plan for generation g (JSON, see :class:`Plan`).
 - ``order/<wid>``: a spare's takeover order: the generation it joins (the plan says as whom).
+- ``abort``: set by a worker that found the job unrecoverable (the message says what was
+  lost); every launcher stops its workers and exits with ``launch.ABORT_EXIT_CODE``.
 
 Worker ids: ``a<rank>`` for the ranks started active, ``s<node>.<k>`` for spares.
 """
@@ -23,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 FAIL_COUNT = "fail/count"
+ABORT = "abort"
 SPARE_COUNT = "spare/count"
 STORE_POLL_S = 0.02
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -44,10 +45,34 @@ def store_from_env() -> dist.TCPStore:
     return connect_store(host, port, float(os.environ.get(env.HOTSPARE_STORE_TIMEOUT_S, "60")))
 
 
-def join(store: dist.Store, gen: Generation, backend: str, timeout_s: float) -> None:
-    """Initialise the default process group for ``gen`` on its own prefix of ``store``."""
+ARRIVAL_POLL_S = 0.02
+
+
+def arrive(store: dist.Store, gen: Generation, timeout_s: float) -> None:
+    """Wait until every member of ``gen`` has arrived (polled from Python; see :func:`join`)."""
+    store.set(f"{gen.prefix}arrived/{gen.rank}", "1")
+    keys = [f"{gen.prefix}arrived/{r}" for r in range(gen.world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise TimeoutError(f"generation {gen.index}: rank(s) {missing} did not arrive within {timeout_s:.0f} s "
+                               f"(a spare still building its engine, or a worker that died while joining)")
+        time.sleep(ARRIVAL_POLL_S)
+
+
+def join(store: dist.Store, gen: Generation, backend: str, timeout_s: float,
+         rendezvous_timeout_s: float | None = None) -> None:
+    """Initialise the default process group for ``gen`` on its own prefix of ``store``.
+
+    Members first meet in :func:`arrive`, a Python-level poll: the process-group constructor
+    waits for its peers inside C++ without releasing the GIL, which would silence this
+    worker's heartbeat thread for as long as the slowest member takes (a spare still building
+    its engine) and get a healthy worker killed as hung.
+    """
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists; call leave() before joining a new generation")
+    arrive(store, gen, timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
     dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store), rank=gen.rank,
                             world_size=gen.world_size, timeout=datetime.timedelta(seconds=timeout_s))
 

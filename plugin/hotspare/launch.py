@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from . import control, env
 
 POLL_INTERVAL_S = 0.05
+ABORT_EXIT_CODE = 3
+"""Exit code when a worker found the job unrecoverable (``control.ABORT``): state was lost."""
 
 
 @dataclass
@@ -341,6 +343,9 @@ class Launcher:
             if self.spec.node_rank == 0:
                 self._coordinate()
             self._follow_plans()
+            if self.exit_code is None and self.store.check([control.ABORT]):
+                _log(f"a worker stopped the job: {self.store.get(control.ABORT).decode()}")
+                self.exit_code = ABORT_EXIT_CODE
             if self.exit_code is not None:
                 self.stop()
                 return self.exit_code

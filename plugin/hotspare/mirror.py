@@ -48,6 +48,13 @@ class MirrorStats:
     commit_failures: int = 0
     wait_s: float = 0.0
     capture_s: float = 0.0
+    round_s: float = 0.0
+    """Seconds the rounds took, sends and receives together (bytes_sent / round_s: a send rate)."""
+
+    @property
+    def send_rate(self) -> float:
+        """Measured bytes/s this rank's rounds moved to its holders (0 before the first round)."""
+        return self.bytes_sent / self.round_s if self.round_s > 0 else 0.0
 
 
 @dataclass
@@ -58,6 +65,9 @@ class Copy:
     incoming: torch.Tensor | None = None
     version: int = NO_VERSION
     header: torch.Tensor = field(default_factory=lambda: torch.zeros(HEADER_LEN, dtype=torch.int64))
+    """The incoming transfer's header (overwritten by the next round)."""
+    committed_header: Header | None = None
+    """The header of the committed copy (its CRC and layout id are checked again at restore)."""
 
 
 class Mirror:
@@ -196,6 +206,35 @@ class Mirror:
         if self.error is not None:
             raise MirrorError(f"rank {self.rank}: mirroring stopped: {self.error}") from self.error
 
+    def holdings(self) -> tuple[frozenset[int], dict[int, int]]:
+        """(versions of this rank's own snapshots, {source: committed version held}).
+
+        Call after :meth:`stop`: then nothing changes under the caller.
+        """
+        own = frozenset(v for v in self._own_version if v != NO_VERSION)
+        return own, {s: c.version for s, c in self.copies.items() if c.version != NO_VERSION}
+
+    def committed(self, source: int) -> tuple[Header, torch.Tensor]:
+        """The committed copy of ``source`` (header, bytes), without a copy; call after :meth:`stop`."""
+        copy = self.copies[source]
+        if copy.committed is None or copy.committed_header is None:
+            raise MirrorError(f"rank {self.rank} holds no committed copy of rank {source}")
+        return copy.committed_header, copy.committed
+
+    def stop(self, join_s: float = 5.0) -> bool:
+        """Freeze what this rank holds (a failure happened): no copy commits after this returns.
+
+        The background thread is told to stop; a round blocked on a dead peer ends when the old
+        generation's groups are destroyed. Returns whether the thread ended within ``join_s``.
+        Buffers stay, for the restore.
+        """
+        with self._commit_lock:
+            self._stop.set()
+        self.enabled = False
+        self._rounds.put(None)
+        self._thread.join(timeout=join_s)
+        return not self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the background thread (pending rounds are abandoned)."""
         self._stop.set()
@@ -221,6 +260,7 @@ class Mirror:
             self._idle.set()
 
     def _round(self, version: int, slot: int) -> None:
+        t0 = time.perf_counter()
         buf = self._own[slot]
         header = Header(self.generation, version, self.rank, buf.numel(), crc32(buf), self.layout.id)
         header.to_tensor(self._header_out)
@@ -236,6 +276,7 @@ class Mirror:
             self._agree(self._ctrl_bg, busy=False)
         self.stats.rounds += 1
         self.stats.bytes_sent += buf.numel() * len(self.holders)
+        self.stats.round_s += time.perf_counter() - t0
 
     def _chunks(self, buf: torch.Tensor):
         return [buf[i:i + self.chunk_bytes] for i in range(0, buf.numel(), self.chunk_bytes)]
@@ -262,6 +303,9 @@ class Mirror:
         if copy.committed is None:
             copy.committed = torch.zeros_like(copy.incoming)
         with self._commit_lock:
+            if self._stop.is_set():
+                return  # frozen for a restore: what is held must not change
             copy.committed, copy.incoming = copy.incoming, copy.committed
             copy.version = h.version
+            copy.committed_header = h
         self.on_event("mirror_commit", source=src, version=version)

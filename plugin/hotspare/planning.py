@@ -66,8 +66,15 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
             return RestorePlan(v, sources)
         if best_missing is None:
             best_missing = missing
-    detail = (f"at the newest version held anywhere ({max(candidates)}), no copy exists of rank(s) "
-              f"{', '.join(map(str, best_missing))}" if candidates else "no rank holds any version")
+    lost = [r for r in range(world) if not any(holdings[h].held.get(r) is not None for h in range(world) if h != r)
+            and (r in new or not holdings[r].own)]
+    if not candidates:
+        detail = "no rank holds any version"
+    elif lost:
+        detail = f"every copy of rank(s) {', '.join(map(str, lost))} is lost"
+    else:
+        detail = (f"at the newest version held anywhere ({max(candidates)}), no copy exists of rank(s) "
+                  f"{', '.join(map(str, best_missing))}, and no older version is held for every rank")
     raise NoConsistentVersion(f"no version of the training state is held for every rank: {detail} "
                               f"(lost ranks this generation: {sorted(new) or 'none'})")
 

@@ -10,21 +10,31 @@ DeepSpeed upgrade that moves them):
 from __future__ import annotations
 
 import datetime
+import functools
+import os
 import random
-from dataclasses import dataclass
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import env
+from .. import control, env, rebuild
 from ..config import ConfigError, HotspareConfig, split_deepspeed_config
 from ..events import EventLog
 from ..generation import Generation, join, leave, store_from_env
 from ..mirror import Mirror
 from ..placement import place
+from ..planning import NoConsistentVersion, choose_version
+from ..recovery import RecoveryError, exchange_holdings, fetch, is_distributed_error
+from ..snapshot import Layout, read_meta
+from ..sockets import abort_nccl, break_connections
 from ..transport import GlooTransport
+from ..worker import Heartbeat, Shutdown, role, wait_for_order, wait_for_plan, worker_id
 
 SUPPORTED_DEEPSPEED = ("0.19.",)
 
@@ -41,7 +51,18 @@ def check_version() -> str:
 
 @dataclass
 class Session:
-    """What ``hotspare.initialize`` returns: the DeepSpeed objects plus hotspare's handles."""
+    """What ``hotspare.initialize`` returns: the DeepSpeed objects plus hotspare's handles.
+
+    The training loop gains failover with two lines (see :meth:`resilient` and :meth:`steps`)::
+
+        @session.resilient
+        def train_step(step):
+            loss = engine(batch(step)); engine.backward(loss); engine.step()
+            return loss
+
+        for step in session.steps(total_steps):
+            train_step(step)
+    """
 
     engine: Any
     """The ``DeepSpeedEngine``."""
@@ -65,12 +86,191 @@ class Session:
     """This rank's event log."""
     groups: tuple = ()
     """Process groups hotspare created (destroyed on close)."""
+    heartbeat: Heartbeat | None = None
+    """This worker's heartbeat to its launcher (None outside hotspare-run)."""
+    recoveries: list = field(default_factory=list)
+    """One summary dict per recovery this process took part in (phases and their seconds)."""
+    spare: bool = False
+    """This process started as a spare and took a failed rank's place."""
+    backend: str = "gloo"
+
+    # ---- the training-loop API ---------------------------------------------------------------
+
+    def steps(self, total: int):
+        """Step indices from where the state is (``engine.global_steps``) up to ``total``.
+
+        After a recovery the next index is the landing version's, so the interrupted step and
+        any a survivor had run past it are run again, with the same batches.
+        """
+        while self.engine.global_steps < total:
+            yield self.engine.global_steps
+
+    def resilient(self, fn: Callable) -> Callable:
+        """Decorate the function that runs one training step (all its micro-batches).
+
+        A failure of a peer inside it (a collective that raises, a broken mirror) is recovered
+        in place: a spare takes the failed rank, the state lands on the newest version every
+        rank holds, and the call returns None; ``steps`` then resumes from there. An exception
+        that is not a distributed failure (a bug) is re-raised at once.
+        """
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not self._can_recover(exc):
+                    raise
+                self.recover(exc)
+                return None
+
+        return run
+
+    def _can_recover(self, exc: BaseException) -> bool:
+        cfg = self.config
+        return (cfg is not None and cfg.enabled and cfg.recovery.enabled and self.store is not None
+                and is_distributed_error(exc))
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def recover(self, error: BaseException) -> None:
+        """A survivor's recovery after ``error``: rebuild in place with the coordinator's plan."""
+        cfg = self.config.recovery
+        if len(self.recoveries) >= cfg.max_recoveries:
+            raise RecoveryError(f"{len(self.recoveries)} recoveries done, recovery.max_recoveries="
+                                f"{cfg.max_recoveries}: stopping (a failure that keeps recurring is not transient)") \
+                from error
+        t0 = time.monotonic()
+        failed_at = self.engine.global_steps
+        self.events("failure_seen", version=failed_at, error=str(error)[:500],
+                    error_type=type(error).__name__)
+        _log(f"rank {self.generation.rank}: failure seen at step {self.engine.global_steps}: "
+             f"{type(error).__name__}: {str(error)[:200]}")
+        retained = self.mirror
+        records = rebuild.find_groups(self.roots())
+        # Make sure every survivor leaves the old generation now, not at its collective timeout.
+        abort_nccl([r.group for r in records])
+        broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+        if retained is not None:
+            retained.stop()
+        self.events("left", connections_broken=broken, seconds=time.monotonic() - t0)
+        self.groups = ()
+        leave()  # every group of the failed generation
+        plan = wait_for_plan(self.store, self.generation.index + 1, cfg.rendezvous_timeout_s)
+        t_plan = time.monotonic()
+        self.events("plan", generation=plan.generation, replaced=plan.replaced, failures=plan.failures,
+                    wait_s=t_plan - t0)
+        if plan.abort:
+            raise RecoveryError(f"the job cannot recover: {plan.abort}") from error
+        self._take_part(plan, records, retained, {"failed_at": failed_at, "plan_s": t_plan - t0}, t0)
+
+    def _take_part(self, plan, records, retained: Mirror | None, phases: dict, t0: float) -> None:
+        """Join ``plan``'s generation, rebuild every group, restore, restart mirroring (survivor or spare)."""
+        cfg = self.config
+        rank = plan.rank_of(worker_id())
+        if rank is None:
+            raise RecoveryError(f"worker {worker_id()} is not in the plan for generation {plan.generation}")
+        t1 = time.monotonic()
+        gen = Generation(plan.generation, rank, plan.world_size)
+        join(self.store, gen, self.backend, cfg.recovery.collective_timeout_s, cfg.recovery.rendezvous_timeout_s)
+        self.generation = gen
+        if self.events is not None:
+            self.events.generation = gen.index
+        rebuild.check_signature(records, gen.world_size)
+        mapping = rebuild.create_groups(records, cfg.recovery.collective_timeout_s, backend=self.backend)
+        rebuild.repoint(self.roots(), mapping)
+        data_group, control_group = self._hotspare_groups()
+        phases["rebuild_s"] = time.monotonic() - t1
+        self.events("rebuild", groups=len(records), seconds=phases["rebuild_s"])
+
+        t2 = time.monotonic()
+        holdings = exchange_holdings(control_group, gen.world_size, retained)
+        new_ranks = sorted(int(r) for r in plan.replaced)
+        try:
+            target = choose_version(holdings, new_ranks)
+        except NoConsistentVersion as exc:
+            self.events("fallback", reason=str(exc), checkpoint=None)
+            message = (f"{exc}. No persistent checkpoint is configured to fall back on; every rank stops. "
+                       f"Add mirror replicas (hotspare.mirror.replicas) to survive this failure.")
+            self.store.set(control.ABORT, message)  # every launcher stops its workers: no cascade of spares
+            raise RecoveryError(message) from None
+        received, moved = fetch(target, rank, new_ranks, holdings, retained, self.state.layout_for, data_group,
+                                cfg.mirror.timeout_s)
+        if received is not None:
+            buf, layout = received
+        else:
+            buf = retained.own_snapshot(target.version) if retained is not None else None
+            layout = retained.layout if retained is not None else None
+            if buf is None:
+                raise RecoveryError(f"rank {rank} has no snapshot of version {target.version} to restore")
+        self.state.restore(buf, layout)
+        self.state.resync()
+        _agree_on(control_group, [target.version, self.engine.global_steps, layout.id & 0xFFFFFFFF])
+        phases["restore_s"] = time.monotonic() - t2
+        self.events("restore", version=target.version, seconds=phases["restore_s"],
+                    source="peers" if received is not None else "self", **moved)
+
+        if retained is not None:
+            retained.transport.close()
+        self.mirror = None
+        self._start_mirror(data_group, control_group)
+        phases["total_s"] = time.monotonic() - t0
+        summary = {"generation": gen.index, "version": target.version, "replaced": plan.replaced,
+                   "failures": plan.failures, **phases}
+        self.recoveries.append(summary)
+        self.events("resume", version=target.version, **phases)
+        _log(f"rank {rank}: generation {gen.index} resumes at step {target.version} "
+             f"({', '.join(f'{k} {v:.3f}' for k, v in phases.items() if k.endswith('_s'))})")
+
+    def roots(self) -> list:
+        """Where DeepSpeed keeps process-group handles (walked by :mod:`hotspare.rebuild`)."""
+        import deepspeed.comm.comm
+        import deepspeed.utils.groups
+
+        return [self.engine, deepspeed.utils.groups, deepspeed.comm.comm]
+
+    def _hotspare_groups(self) -> tuple:
+        """The mirror's data and control groups for the current generation (gloo, host memory)."""
+        timeout = datetime.timedelta(seconds=self.config.mirror.timeout_s)
+        # Mirror bytes and the per-step agreement get groups of their own, so they never queue
+        # behind the training collectives.
+        data_group = dist.new_group(backend="gloo", timeout=timeout)
+        control_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.groups = (data_group, control_group)
+        return data_group, control_group
+
+    def _start_mirror(self, data_group, control_group) -> None:
+        """Start mirroring in the current generation and seed it with the state as it is now."""
+        cfg, gen = self.config, self.generation
+        mc = cfg.mirror
+        if not (mc.enabled and mc.replicas > 0 and gen.world_size > 1):
+            return
+        nodes = node_ranks(control_group)
+        try:
+            holders = place(nodes, mc.replicas)
+        except ValueError as exc:
+            raise ConfigError(f"hotspare.mirror.replicas={mc.replicas}: {exc}") from None
+
+        def agree(t: torch.Tensor) -> None:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group)
+
+        from deepspeed.accelerator import get_accelerator
+
+        pin = get_accelerator().device_name() != "cpu"
+        self.mirror = Mirror(gen.rank, gen.index, holders, GlooTransport(data_group, gen.rank), agree,
+                             in_flight=mc.in_flight, chunk_bytes=mc.chunk_bytes, timeout_s=mc.timeout_s,
+                             pin_memory=pin, on_event=self.events)
+        self.events("mirror_start", holders=holders[gen.rank], nodes=nodes, single_node=len(set(nodes)) == 1)
+        # The state as it is now is a version too: a failure in the very next step lands here.
+        self.mirror.on_step(self.engine.global_steps, self.state.tensors, self.state.meta)
 
     def close(self) -> None:
         """Stop mirroring and leave the current generation; call once at the end of training."""
         if self.mirror is not None:
             self.mirror.close()
             self.mirror = None
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
         if self.events is not None:
             self.events.close()
         for group in self.groups:
@@ -78,6 +278,21 @@ class Session:
         self.groups = ()
         leave()
         self.store = None
+
+
+def _log(msg: str) -> None:
+    print(f"[hotspare] {msg}", file=sys.stderr, flush=True)
+
+
+def _agree_on(group, values: list[int]) -> None:
+    """Every rank must hold the same ``values`` (landing version, step, layout) before resuming."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    lo, hi = mine.clone(), -mine
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(lo, -hi):
+        raise RecoveryError(f"ranks disagree after the restore on (version, step, layout): min {lo.tolist()}, "
+                            f"max {(-hi).tolist()}; not resuming on inconsistent state")
 
 
 def _join_from_env(backend: str, timeout_s: float) -> tuple[Generation, Any]:
@@ -89,14 +304,19 @@ def _join_from_env(backend: str, timeout_s: float) -> tuple[Generation, Any]:
 
 
 def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=None, optimizer=None,
-               lr_scheduler=None, training_data=None, collective_timeout_s: float = 120.0, data_state=None,
-               **kwargs) -> Session:
+               lr_scheduler=None, training_data=None, collective_timeout_s: float | None = None, data_state=None,
+               load_data_state=None, **kwargs) -> Session:
     """``deepspeed.initialize`` with hotspare: validates the ``"hotspare"`` section first.
 
     The process group is joined through the launcher's control store (``hotspare-run``), on
     the generation's own store prefix, unless the caller already initialised one.
-    ``data_state`` (optional) returns the data position as JSON-able values; it is mirrored.
+    ``data_state`` (optional) returns the data position as JSON-able values; it is mirrored,
+    and ``load_data_state`` gets it back at a restore.
     With mirroring on, ``engine.step()`` mirrors the unique state after every optimizer step.
+
+    A spare (``HOTSPARE_ROLE=spare``, started by ``hotspare-run --spares-per-node``) waits
+    here for a takeover order; it returns a Session for the rank it took, restored to the
+    landing version, or exits the process (status 0) when the job ends first.
     """
     ds_config, hs_config = split_deepspeed_config(config)
     env.configure_accelerator()
@@ -105,12 +325,35 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
     check_version()
     from deepspeed.accelerator import get_accelerator
 
-    store = None
-    if dist.is_initialized():
+    backend = get_accelerator().communication_backend_name()
+    if collective_timeout_s is None:
+        collective_timeout_s = hs_config.recovery.collective_timeout_s if hs_config is not None else 120.0
+    spare = role() == "spare"
+    store, heartbeat, plan = None, None, None
+    if spare:
+        if hs_config is None or not hs_config.enabled or not hs_config.recovery.enabled:
+            raise ConfigError("this process was started as a spare, but the config's \"hotspare\" section is "
+                              "missing or has recovery off; give the job's config to every worker")
+        store = store_from_env()
+        heartbeat = _heartbeat(hs_config, store)
+        plan = _wait_for_takeover(store, heartbeat)
+        t_order = time.monotonic()
+        rank = plan.rank_of(worker_id())
+        gen = Generation(plan.generation - 1, rank, plan.world_size)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size))
+        os.environ.setdefault("LOCAL_RANK", "0")
+        # Build rank R's engine with no peers (torch's fake group: collectives do nothing), then
+        # join the survivors' real generation and re-point exactly as they do.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
+    elif dist.is_initialized():
         gen = Generation(index=0, rank=dist.get_rank(), world_size=dist.get_world_size())
     else:
-        gen, store = _join_from_env(get_accelerator().communication_backend_name(), collective_timeout_s)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        gen, store = _join_from_env(backend, collective_timeout_s)
+        if hs_config is not None and hs_config.enabled and hs_config.recovery.enabled:
+            heartbeat = _heartbeat(hs_config, store)
+    deepspeed.init_distributed(dist_backend=backend)
     engine, opt, loader, sched = deepspeed.initialize(
         model=model, config=ds_config, model_parameters=model_parameters, optimizer=optimizer,
         lr_scheduler=lr_scheduler, training_data=training_data, **kwargs)
@@ -118,58 +361,58 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         raise ValueError(f"zero_optimization.stage={engine.zero_optimization_stage()}: hotspare needs ZeRO stage "
                          f"1, 2 or 3 (each rank's unique state is its ZeRO partition)")
     session = Session(engine=engine, optimizer=opt, training_dataloader=loader, lr_scheduler=sched,
-                      config=hs_config, generation=gen, store=store)
-    if hs_config is not None and hs_config.enabled:
-        session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
-        session.state = DeepSpeedState(engine, data_state)
-        if hs_config.mirror.enabled and hs_config.mirror.replicas > 0 and gen.world_size > 1:
-            _start_mirror(session, hs_config)
+                      config=hs_config, generation=gen, store=store, heartbeat=heartbeat, spare=spare,
+                      backend=backend)
+    if hs_config is None or not hs_config.enabled:
+        return session
+    session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
+    session.state = DeepSpeedState(engine, data_state, load_data_state)
+    _wrap_step(session)
+    if spare:
+        records = rebuild.find_groups(session.roots())
+        leave()  # the fake group
+        session.events("takeover", generation=plan.generation, replaced=plan.replaced)
+        session._take_part(plan, records, None, {"engine_build_s": time.monotonic() - t_order}, t_order)
+    elif gen.world_size > 1:
+        session._start_mirror(*session._hotspare_groups())
     return session
 
 
-def node_ranks() -> list[int]:
-    """Every rank's (logical) node, gathered as tensors over the default group."""
+def _heartbeat(cfg: HotspareConfig, store) -> Heartbeat | None:
+    if store is None or not cfg.recovery.enabled:
+        return None
+    return Heartbeat(worker_id(), cfg.recovery.heartbeat_interval_s, cfg.recovery.heartbeat_timeout_s)
+
+
+def _wait_for_takeover(store, heartbeat):
+    try:
+        return wait_for_order(store, worker_id())
+    except Shutdown:
+        if heartbeat is not None:
+            heartbeat.close()
+        raise SystemExit(0) from None
+
+
+def node_ranks(group=None) -> list[int]:
+    """Every rank's (logical) node, gathered as tensors over ``group`` (default: the default group)."""
     mine = torch.tensor([env.env_int(env.HOTSPARE_NODE_RANK, 0)], dtype=torch.int64)
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
     return [int(t) for t in out]
 
 
-def _start_mirror(session: Session, cfg: HotspareConfig) -> None:
-    gen, mc = session.generation, cfg.mirror
-    nodes = node_ranks()
-    try:
-        holders = place(nodes, mc.replicas)
-    except ValueError as exc:
-        raise ConfigError(f"hotspare.mirror.replicas={mc.replicas}: {exc}") from None
-    # Mirror bytes and the per-step agreement get groups of their own (host memory, gloo), so
-    # they never queue behind the training collectives.
-    timeout = datetime.timedelta(seconds=mc.timeout_s)
-    data_group = dist.new_group(backend="gloo", timeout=timeout)
-    control_group = dist.new_group(backend="gloo", timeout=timeout)
-    session.groups = (data_group, control_group)
-
-    def agree(t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group)
-
-    from deepspeed.accelerator import get_accelerator
-
-    pin = get_accelerator().device_name() != "cpu"
-    session.mirror = Mirror(gen.rank, gen.index, holders, GlooTransport(data_group, gen.rank), agree,
-                            in_flight=mc.in_flight, chunk_bytes=mc.chunk_bytes, timeout_s=mc.timeout_s,
-                            pin_memory=pin, on_event=session.events)
-    session.events("mirror_start", holders=holders[gen.rank], nodes=nodes,
-                   single_node=len(set(nodes)) == 1)
-    engine, state, mirror = session.engine, session.state, session.mirror
+def _wrap_step(session: Session) -> None:
+    """Wrap the one call every DeepSpeed loop makes: after an optimizer step (global_steps moved)
+    the post-step state is captured and its copy starts on the mirror thread."""
+    engine = session.engine
     step = engine.step
 
-    # Wrap the one call every DeepSpeed loop makes: after an optimizer step (global_steps moved)
-    # the post-step state is captured and its copy starts on the mirror thread.
     def step_and_mirror(*args, **kw):
         before = engine.global_steps
         out = step(*args, **kw)
-        if engine.global_steps != before:
-            mirror.on_step(engine.global_steps, state.tensors, state.meta)
+        mirror = session.mirror
+        if mirror is not None and engine.global_steps != before:
+            mirror.on_step(engine.global_steps, session.state.tensors, session.state.meta)
         return out
 
     engine.step = step_and_mirror
@@ -211,9 +454,10 @@ class DeepSpeedState:
     comes from a live replica.
     """
 
-    def __init__(self, engine, data_state=None):
+    def __init__(self, engine, data_state=None, load_data_state=None):
         self.engine = engine
         self.data_state = data_state
+        self.load_data_state = load_data_state
         self._accel = None
         from deepspeed.accelerator import get_accelerator
 
@@ -254,12 +498,182 @@ class DeepSpeedState:
             meta["data"] = _jsonable(self.data_state())
         return meta
 
+    def restore(self, buf: torch.Tensor, layout: Layout) -> None:
+        """Put the state of snapshot ``buf`` (laid out as ``layout``) back into the engine, in place.
+
+        Tensors are copied into the live fp32 partitions and optimizer state (so every alias
+        DeepSpeed holds sees them); counters, param groups, scheduler, loss scaler, RNG states
+        and the data position come from the metadata. :meth:`resync` must follow.
+        """
+        self._conform(layout)
+        views = {seg.name: v for seg, v in zip(layout.segments, layout.views(buf))}
+        meta = read_meta(buf, layout)
+        with torch.no_grad():  # the fp32 partitions are leaves that require grad
+            for name, live in self.tensors():
+                if not name.startswith("rng."):
+                    live.copy_(views[name])
+        torch.set_rng_state(views["rng.torch"].clone())
+        if self._accel is not None and "rng.accelerator" in views:
+            self._accel.set_rng_state(views["rng.accelerator"].clone())
+        py = meta["rng_python"]
+        random.setstate((py["version"], tuple(int(x) for x in views["rng.python"].tolist()), py["gauss_next"]))
+        npm = meta["rng_numpy"]
+        np.random.set_state((npm["kind"], views["rng.numpy"].numpy().astype(np.uint32), npm["pos"],
+                             npm["has_gauss"], npm["cached_gaussian"]))
+        e = self.engine
+        for k, v in meta["engine"].items():
+            setattr(e, k, v)
+        inner = e.optimizer.optimizer
+        for group, saved in zip(inner.param_groups, meta["param_groups"]):
+            for k, v in saved.items():
+                group[k] = type(group[k])(v) if isinstance(group.get(k), tuple) else v
+        if e.lr_scheduler is not None and "lr_scheduler" in meta:
+            e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        scaler = getattr(e.optimizer, "loss_scaler", None)
+        for k, v in meta.get("loss_scaler", {}).items():
+            setattr(scaler, k, v)
+        if "data" in meta and self.load_data_state is not None:
+            self.load_data_state(meta["data"])
+
+    def layout_for(self, layout_id: int) -> Layout | None:
+        """This engine's layout that has id ``layout_id`` (with or without optimizer state), or None.
+
+        A snapshot of version 0 has no optimizer state (torch optimizers create it at their
+        first step); every later one has. An engine that has not stepped yet (a spare) gets its
+        optimizer state created (then overwritten by the restore) to take a later version.
+        """
+        layout = Layout.of(self.tensors())
+        if layout.id == layout_id:
+            return layout
+        had = bool(optimizer_state_tensors(self.engine))
+        self._set_optimizer_state(not had)
+        other = Layout.of(self.tensors())
+        if other.id == layout_id:
+            return other
+        self._set_optimizer_state(had)
+        return None
+
+    def _conform(self, layout: Layout) -> None:
+        wants = any(s.name.startswith("optim.") for s in layout.segments)
+        if wants != bool(optimizer_state_tensors(self.engine)):
+            self._set_optimizer_state(wants)
+        if not layout.matches(self.tensors()):
+            raise RecoveryError("the snapshot's layout does not match this engine's unique state; is every rank "
+                                "running the same model and config?")
+
+    def _set_optimizer_state(self, present: bool) -> None:
+        """Create (one zero-gradient step at lr 0) or drop the inner optimizer's per-partition state.
+
+        Either way the restore then overwrites every value: what matters is that the tensors
+        exist with the optimizer's own shapes and dtypes (or, for version 0, do not).
+        """
+        inner = self.engine.optimizer.optimizer
+        parts = fp32_partitions(self.engine)
+        if not present:
+            for p in parts:
+                inner.state.pop(p, None)
+            return
+        saved = [dict(g) for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"] = 0.0
+        grads = [p.grad for p in parts]
+        for p in parts:
+            p.grad = torch.zeros_like(p)
+        zero3 = self.engine.zero_optimization_stage() == 3
+        if zero3:  # ZeRO 3 hands its partitions to the inner optimizer only for the step
+            self.engine.optimizer._set_fp32_optimizer_param_groups()
+        try:
+            inner.step()
+        finally:
+            if zero3:
+                self.engine.optimizer._clear_fp32_optimizer_param_groups()
+            for p, grad in zip(parts, grads):
+                p.grad = grad
+            for g, s in zip(inner.param_groups, saved):
+                g.update(s)
+
+    def resync(self) -> None:
+        """After :meth:`restore`: drop the interrupted step's leftovers, then derive the replicated
+        state (the bit16 weights) from the restored fp32 partitions. Collective (all ranks)."""
+        e = self.engine
+        opt = e.optimizer
+        stage = e.zero_optimization_stage()
+        _reset_backward_state(opt)
+        e._running_engine_step = False
+        if stage in (1, 2):
+            for bucket in opt.ipg_buckets.values():
+                bucket.clear()
+                bucket.index = 0
+            opt.extra_large_param_to_reduce.clear()
+            opt.previous_reduced_grads.clear()
+            opt.params_already_reduced[:] = [False] * len(opt.params_already_reduced)
+            opt.averaged_gradients.clear()
+            opt.all_grad_tensors.clear()
+            opt._release_ipg_buffers()
+            opt.reset_partition_gradient_structures()
+            opt.micro_step_id = -1
+            opt.zero_grad(set_to_none=True)
+            for part in opt.single_partition_of_fp32_groups:
+                part.grad = None
+            opt.update_lp_params()  # fp32 -> this rank's bit16 partition, then all-gather
+        else:
+            _reset_zero3(e, opt)
+            opt._partition_all_parameters()
+            for i in range(len(opt.fp32_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(i)
+            opt.checkpoint_event_epilogue()
+            # A rank whose engine is new has no forward trace while survivors have one: every
+            # rank starts tracing again, or their prefetch decisions (and collectives) diverge.
+            coord = opt.parameter_offload.get_param_coordinator()
+            if not coord.is_invalid_trace():
+                coord._invalidate_trace()
+
     def bytes_per_param(self) -> float:
         """Unique bytes this rank mirrors per model parameter (all ranks together)."""
         nbytes = sum(t.numel() * t.element_size() for _, t in self.tensors())
         world = dist.get_world_size() if dist.is_initialized() else 1
         num_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
         return nbytes * world / max(1, num_params)
+
+
+def _reset_backward_state(opt) -> None:
+    hooks = getattr(opt, "_backward_hook_state", None)
+    if hooks is not None:
+        hooks.reset_for_new_step()
+        hooks.backward_active_depth = 0
+        hooks.remaining_grad_acc_hooks = 0
+
+
+def _reset_zero3(engine, opt) -> None:
+    """ZeRO 3's per-step leftovers of an interrupted forward or backward."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    # Gradients left by the interrupted backward go first: DeepSpeed's zero_grad calls
+    # record_stream on them, which fails on the CPU accelerator (its stream is None).
+    for group in opt.fp16_groups:
+        for p in group:
+            p.grad = None
+    opt.zero_grad(set_to_none=True)  # also resets micro_step_id and the epilogue flag
+    for bucket in opt.ipg_buckets.values():
+        bucket.clear_params()
+    for key in opt.params_already_reduced:
+        opt.params_already_reduced[key] = False
+    opt.averaged_gradients.clear()
+    for part in opt.fp32_partitioned_groups_flat:
+        part.grad = None
+    opt._offload_boundary_param_ids = set()
+    registry = getattr(engine.module, "ds_inflight_param_registry", None)
+    if registry is not None:
+        registry.clear()  # handles of the dead generation's all-gathers: never waited on
+    for p in engine.module.parameters():
+        if getattr(p, "ds_status", None) == ZeroParamStatus.INFLIGHT:
+            p.ds_status = ZeroParamStatus.AVAILABLE  # partitioned again below
+    del parameter_offload.FWD_MODULE_STACK[:]
+    for m in engine.module.modules():
+        if hasattr(m._parameters, "_in_forward"):
+            m._parameters._in_forward = False
+    opt.parameter_offload.get_param_coordinator().release_backward_leftovers()
 
 
 def _jsonable(value):

@@ -1,0 +1,160 @@
+"""The worker's half of an in-place recovery, independent of the host framework.
+
+After the coordinator's plan for generation g+1 is out and every member has joined it (see
+:mod:`hotspare.rebuild` for the groups), every rank of g+1 runs the same three steps:
+
+1. :func:`exchange_holdings`: one all-gather of what each rank holds (its own snapshots'
+   versions, its held copies' versions, its measured send rate) as int64, so that every rank
+   computes the same :class:`~hotspare.planning.RestorePlan` with no one sending it;
+2. :func:`fetch`: a rank a spare took receives its landing version's bytes from the holders
+   of its mirror, split across them by :func:`~hotspare.planning.split_load`; the header
+   (version, source, layout id, CRC-32) is checked before the bytes are used;
+3. the host integration restores from those bytes (survivors: from their own snapshot of
+   the same version, never from live state that may be half-way through a step).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .mirror import Mirror, MirrorError
+from .planning import SELF, Holdings, RestorePlan, split_load
+from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32
+from .transport import TransferError
+
+TAG_RESTORE_HEADER = 81
+TAG_RESTORE_DATA = 82
+NONE = -1
+
+
+class RecoveryError(RuntimeError):
+    """Recovery cannot go on; the message says what was lost and what to do."""
+
+
+# Messages of the errors a collective raises when a peer died or the group broke (gloo's
+# tcp transport, NCCL, c10d's store); a training step that raises anything else has a bug,
+# which recovery must not hide.
+_DISTRIBUTED_MARKERS = ("connection closed by peer", "connection reset", "connection refused", "broken pipe",
+                        "timed out", "timeout", "gloo", "nccl", "socket", "process group", "processgroup",
+                        "peer", "unexpected end of file", "read error", "write error", "ncclremoteerror")
+
+
+def is_distributed_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says a peer or the group failed (as opposed to a bug in the step)."""
+    if isinstance(exc, (MirrorError, TransferError, TimeoutError, ConnectionError)):
+        return True
+    if isinstance(exc, (dist.DistError, dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc).lower()
+        return any(m in text for m in _DISTRIBUTED_MARKERS)
+    return False
+
+
+def exchange_holdings(group, world_size: int, mirror: Mirror | None) -> list[Holdings]:
+    """All-gather every rank's :class:`Holdings` over ``group`` (a gloo group of the new generation).
+
+    ``mirror`` is this rank's mirror of the failed generation, stopped (None for a spare).
+    Encoding: [own_a, own_b, send_rate, held_0 .. held_{W-1}], -1 for none.
+    """
+    mine = torch.full((3 + world_size,), NONE, dtype=torch.int64)
+    if mirror is not None:
+        own, held = mirror.holdings()
+        for i, v in enumerate(sorted(own)[-2:]):
+            mine[i] = v
+        mine[2] = int(mirror.stats.send_rate)
+        for src, v in held.items():
+            if src < world_size:
+                mine[3 + src] = v
+    out = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine, group=group)
+    holdings = []
+    for t in out:
+        v = [int(x) for x in t.tolist()]
+        holdings.append(Holdings(own=frozenset(x for x in v[:2] if x != NONE),
+                                 held={s: x for s, x in enumerate(v[3:]) if x != NONE},
+                                 send_rate=float(max(0, v[2]))))
+    return holdings
+
+
+def fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Holdings], mirror: Mirror | None,
+          layout_for: Callable[[int], Layout | None], group,
+          timeout_s: float) -> tuple[tuple[torch.Tensor, Layout] | None, dict]:
+    """Move the landing version's bytes to every rank a spare took.
+
+    Returns ((bytes, layout) on a rank a spare took, else None; stats). Every rank runs this
+    with the same arguments (the plan is computed everywhere): holders send their share of
+    each new rank's committed copy, new ranks receive. ``layout_for(layout_id)`` gives the
+    receiving engine's layout with that id (None: it has none). The split needs the byte
+    count on every rank: the first holder's header carries it, and every holder knows it.
+    """
+    t0 = time.perf_counter()
+    sends, received = [], None
+    stats = {"bytes_in": 0, "bytes_out": 0, "sources": []}
+    for r in sorted(new_ranks):
+        holders = plan.sources[r]
+        if holders == (SELF,):
+            raise RecoveryError(f"rank {r} was taken by a spare but the plan restores it from itself")
+        rates = [holdings[h].send_rate for h in holders]
+        if rank == r:
+            received = _receive(r, plan.version, holders, rates, layout_for, group, timeout_s)
+            stats["bytes_in"] = received[1].nbytes
+            stats["sources"] = list(holders)
+            continue
+        if rank not in holders:
+            continue
+        header, buf = mirror.committed(r)
+        mine = [(off, n) for h, off, n in split_load(header.nbytes, holders, rates) if h == rank]
+        if header.version != plan.version:
+            raise RecoveryError(f"rank {rank} holds version {header.version} of rank {r}, the plan needs "
+                                f"{plan.version}")
+        if holders[0] == rank:
+            sends.append(dist.isend(header.to_tensor(torch.zeros(HEADER_LEN, dtype=torch.int64)), r, group=group,
+                                    tag=TAG_RESTORE_HEADER))
+        for off, n in mine:
+            sends.append(dist.isend(buf[off:off + n], r, group=group, tag=TAG_RESTORE_DATA))
+            stats["bytes_out"] += n
+    for work in sends:
+        _wait(work, timeout_s, "sending restore bytes")
+    stats["transfer_s"] = time.perf_counter() - t0
+    return received, stats
+
+
+def _receive(r: int, version: int, holders, rates, layout_for, group,
+             timeout_s: float) -> tuple[torch.Tensor, Layout]:
+    first = holders[0]
+    header_t = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    _wait(dist.irecv(header_t, first, group=group, tag=TAG_RESTORE_HEADER), timeout_s,
+          f"receiving the restore header from rank {first}")
+    h = Header.from_tensor(header_t)
+    if h.magic != MAGIC or h.source != r or h.version != version:
+        raise RecoveryError(f"rank {r}: the restore header from rank {first} is for rank {h.source} version "
+                            f"{h.version}, expected version {version}")
+    layout = layout_for(h.layout_id)
+    if layout is None or h.nbytes != layout.nbytes:
+        raise RecoveryError(f"rank {r}: the mirrored state's layout ({h.nbytes} bytes, id {h.layout_id:x}) is not "
+                            f"one of this engine's; is the spare running the same script, model and config as "
+                            f"the job?")
+    ranges = split_load(h.nbytes, holders, rates)
+    buf = layout.allocate()
+    # Only the first holder's header is checked; the CRC-32 over the assembled bytes catches a
+    # share from any holder whose copy differs.
+    works = [(h_, dist.irecv(buf[off:off + n], h_, group=group, tag=TAG_RESTORE_DATA)) for h_, off, n in ranges]
+    for src, work in works:
+        _wait(work, timeout_s, f"receiving restore bytes from rank {src}")
+    if crc32(buf) != h.crc32:
+        raise RecoveryError(f"rank {r}: the restored state fails its CRC-32 check (holders {list(holders)}); "
+                            f"it is not used")
+    return buf, layout
+
+
+def _wait(work, timeout_s: float, what: str) -> None:
+    import datetime
+
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+        raise TransferError(f"{what} failed: {exc}") from exc

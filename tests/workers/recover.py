@@ -1,0 +1,108 @@
+"""Worker for tests/test_recover.py: a ZeRO engine trained with ``session.resilient`` under
+hotspare-run; one rank SIGKILLs itself at a chosen (step, micro-batch, phase).
+
+Usage: recover.py STAGE OUT KILL ACCUM STEPS, KILL = 'none' or 'RANK:STEP:MICRO:PHASE' (or
+several joined by ','), PHASE one of forward, backward, step, mirror, hang (SIGSTOP). Each process that
+finishes writes OUT/<worker id>.json: the losses by step, final digests, its recoveries.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+import hotspare
+from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
+from hotspare.worker import worker_id
+from tiny import tiny_model_and_config
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(stage: int, out: str, kill: str, accum: int, steps: int) -> None:
+    model, ds = tiny_model_and_config(stage, lr=1e-2, gradient_accumulation_steps=accum)
+    ds["zero_optimization"]["reduce_bucket_size"] = 2048  # several buckets: reductions run mid-backward
+    ds["hotspare"] = {
+        "events_dir": os.path.join(out, "events"),
+        "mirror": {"chunk_mb": 0.01, "timeout_s": 20.0},
+        "recovery": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "collective_timeout_s": 30.0,
+                     "rendezvous_timeout_s": 60.0},
+    }
+    session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
+    engine, rank, wid = session.engine, session.generation.rank, worker_id()
+    faults = {}
+    for spec in ([] if kill == "none" else kill.split(",")):
+        r, s, m, phase = spec.split(":")
+        faults[(int(r), int(s), int(m))] = phase
+    losses: dict[int, str] = {}
+
+    def fault(step: int, micro: int) -> str:
+        # Only the process that started as the rank dies; a spare that takes it does not.
+        return faults.get((rank, step, micro), "") if wid == f"a{rank}" else ""
+
+    @session.resilient
+    def train_step(step: int):
+        for micro in range(accum):
+            tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1000 * step + 10 * rank
+                                                                                              + micro))
+            phase = fault(step, micro)
+            if phase == "forward":
+                die()
+            if phase == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung: its launcher sees no heartbeat and kills it
+            if phase == "backward":
+                # Dies when the gradient reaches the first block's output: the buckets of the
+                # layers after it are reduced already, the rest not.
+                def arm(_module, _inputs, out):
+                    out.register_hook(lambda _grad: die())
+
+                handle = engine.module.blocks[0].register_forward_hook(arm)
+            loss = engine(tokens, tokens)
+            if phase == "mirror":
+                mirror = session.mirror
+                send, sent = mirror.transport.send, []
+
+                def send_then_die(tensor, dst, tag):
+                    sent.append(1)
+                    if len(sent) == 4:  # header and two chunks of the next version are out
+                        die()
+                    return send(tensor, dst, tag)
+
+                mirror.transport.send = send_then_die
+            engine.backward(loss)
+            if phase == "backward":
+                handle.remove()
+            if phase == "step":
+                die()
+            engine.step()
+        losses[step] = float(loss).hex()
+        return loss
+
+    for step in session.steps(steps):
+        train_step(step)
+    result = {"rank": rank, "worker": wid, "losses": losses, "fp32": digest(fp32_partitions(engine)),
+              "optim": digest(t for _, t in optimizer_state_tensors(engine)), "global_steps": engine.global_steps,
+              "recoveries": session.recoveries, "spare": session.spare}
+    session.close()
+    result["threads_after_close"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("hotspare"))
+    result["process_group_after_close"] = torch.distributed.is_initialized()
+    with open(os.path.join(out, f"{wid}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
