@@ -148,7 +148,8 @@ def deepspeed_config(job: GPTJobConfig) -> dict:
     return cfg
 
 
-def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, **worker_options) -> int:
+def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, worker: str = WORKER,
+           spares_per_node: int = 0, **worker_options) -> int:
     """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code.
 
     ``worker_options`` go to gpt_worker.py as is: ``verify_mirror`` (record digests of every
@@ -161,8 +162,9 @@ def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, **wor
     path = os.path.join(out_dir, "run.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(run_cfg, f, indent=1)
-    spec = LaunchSpec(script=[WORKER, "--config", path], nproc_per_node=job.parallel.num_ranks,
+    spec = LaunchSpec(script=[worker, "--config", path], nproc_per_node=job.parallel.num_ranks,
                       logical_nodes=job.parallel.logical_nodes, store_timeout_s=job.parallel.store_timeout_s,
+                      spares_per_node=spares_per_node,
                       extra_env={"OMP_NUM_THREADS": "1", **(extra_env or {})})
     return run(spec)
 

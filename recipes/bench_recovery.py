@@ -1,0 +1,186 @@
+"""Recovery time: the same GPT job and the same fault (SIGKILL of a non-zero rank before step N)
+recovered three ways, in one run.
+
+- ``hotspare``: in place: a spare takes the rank, state from the survivors' own snapshots and
+  the peers' mirrors, no process restarted but the dead one, no file read.
+- ``deepspeed_restart``: what a DeepSpeed user has today: the job stops, every process is
+  started again, ``load_checkpoint`` reads the newest checkpoint (saved every K steps) and the
+  steps since are recomputed.
+- ``memory_restart``: the strongest restart-based alternative (DLRover Flash Checkpoint,
+  Gemini): the checkpoint is written to /dev/shm every step, so only the restart and the
+  load remain.
+
+    python recipes/bench_recovery.py out=recovery.json
+    python recipes/bench_recovery.py out=r.json kill_step=60 checkpoint_every=50 zero.stage=3
+
+JSON: for each way ``detect_s``, ``rebuild_s``, ``restore_s``, ``recompute_s``, ``total_s``
+(fault to the moment training is back at the progress it had when the fault struck) and
+``lost_iterations``; top level ``speedup`` (deepspeed_restart / hotspare total),
+``speedup_vs_memory_restart`` and ``bitwise_identical`` (hotspare's run against an
+uninterrupted one). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_job  # noqa: E402
+from hotspare.config import ConfigError, from_mapping  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recovery_worker.py")
+
+
+@dataclass
+class BenchRecoveryConfig(gpt_job.GPTJobConfig):
+    """The GPT job plus the benchmark's fault and baselines."""
+
+    out: str = "bench_recovery.json"
+    """Where the JSON result goes."""
+    kill_rank: int = 1
+    """The rank killed (SIGKILL) before the forward of ``kill_step``."""
+    kill_step: int = 60
+    """The step (0-based) before which the rank dies."""
+    checkpoint_every: int = 50
+    """K: the DeepSpeed baseline saves a checkpoint every K steps."""
+    checkpoint_dir: str = ""
+    """Where the DeepSpeed baseline's checkpoints go; empty: under the run directory."""
+    ways: list[str] = field(default_factory=lambda: ["hotspare", "deepspeed_restart", "memory_restart"])
+    """Which ways to run: hotspare, deepspeed_restart, memory_restart."""
+
+    def __post_init__(self) -> None:
+        for w in self.ways:
+            if w not in ("hotspare", "deepspeed_restart", "memory_restart"):
+                raise ConfigError(f"ways: {w!r} is not one of hotspare, deepspeed_restart, memory_restart")
+        if not 0 < self.kill_rank < self.parallel.num_ranks:
+            raise ConfigError(f"kill_rank={self.kill_rank} must be a non-zero rank below parallel.num_ranks="
+                              f"{self.parallel.num_ranks}")
+        if not 0 < self.kill_step < self.train.steps:
+            raise ConfigError(f"kill_step={self.kill_step} must be in (0, train.steps={self.train.steps})")
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every} must be at least 1")
+
+
+gpt_job.register()
+ConfigStore.instance().store(name="bench_recovery_schema", node=BenchRecoveryConfig)
+
+
+def _ranks(out_dir: str) -> list[dict]:
+    return [json.load(open(p, encoding="utf-8")) for p in sorted(glob.glob(os.path.join(out_dir, "rank*.json")))]
+
+
+def _events(out_dir: str) -> list[dict]:
+    rows = []
+    for p in glob.glob(os.path.join(out_dir, "events", "*.jsonl")):
+        rows += [json.loads(line) for line in open(p, encoding="utf-8")]
+    return rows
+
+
+def _regained(ranks: list[dict], progress: int) -> float:
+    """When every rank had finished step ``progress - 1`` (its last time: replays overwrite)."""
+    return max(r["step_end"][str(progress - 1)] for r in ranks)
+
+
+def run_hotspare(job, bench, out_dir) -> tuple[dict, list[dict]]:
+    job = dataclasses.replace(job, hotspare=dataclasses.replace(job.hotspare, events_dir=os.path.join(out_dir, "events")))
+    code = gpt_job.launch(job, out_dir, worker=WORKER, spares_per_node=1, mode="hotspare",
+                          kill_rank=bench.kill_rank, kill_step=bench.kill_step)
+    if code != 0:
+        raise RuntimeError(f"the hotspare run failed (exit {code}); see its output above")
+    fault = json.load(open(os.path.join(out_dir, "fault.json"), encoding="utf-8"))
+    ranks, events = _ranks(out_dir), _events(out_dir)
+    seen = [e["t"] for e in events if e["kind"] == "failure_seen"]
+    resumed = max(e["t"] for e in events if e["kind"] == "resume")
+    rebuild = max(e["seconds"] for e in events if e["kind"] == "rebuild")
+    restore = max(e["seconds"] for e in events if e["kind"] == "restore")
+    version = min(e["version"] for e in events if e["kind"] == "resume")
+    back = _regained(ranks, fault["step"]) if version < fault["step"] else resumed
+    detect = min(seen) - fault["t"]
+    return {"detect_s": detect, "rebuild_s": rebuild, "restore_s": restore,
+            "plan_wait_s": resumed - min(seen) - rebuild - restore,
+            "recompute_s": back - resumed, "total_s": back - fault["t"],
+            "lost_iterations": fault["step"] - version, "landing_step": version}, ranks
+
+
+def run_restart(job, bench, out_dir, ckpt_dir: str, every: int) -> dict:
+    first, second = os.path.join(out_dir, "first"), os.path.join(out_dir, "restarted")
+    opts = {"mode": "restart", "checkpoint_dir": ckpt_dir, "checkpoint_every": every}
+    code = gpt_job.launch(job, first, worker=WORKER, kill_rank=bench.kill_rank, kill_step=bench.kill_step, **opts)
+    t_down = time.monotonic()  # the launcher has stopped every process: the job is down
+    if code == 0:
+        raise RuntimeError("the restart baseline's first run did not fail; the fault did not fire")
+    fault = json.load(open(os.path.join(first, "fault.json"), encoding="utf-8"))
+    code = gpt_job.launch(job, second, worker=WORKER, resume=True, **opts)
+    if code != 0:
+        raise RuntimeError(f"the restarted run failed (exit {code}); see its output above")
+    ranks = _ranks(second)
+    loaded = ranks[0]["loaded_step"]
+    t_init, t_loaded = max(r["t_init"] for r in ranks), max(r["t_loaded"] for r in ranks)
+    back = _regained(ranks, fault["step"]) if loaded < fault["step"] else t_loaded
+    saves = [s for r in ranks for s in r["save_s"]]
+    return {"detect_s": t_down - fault["t"], "rebuild_s": t_init - t_down, "restore_s": t_loaded - t_init,
+            "recompute_s": back - t_loaded, "total_s": back - fault["t"],
+            "lost_iterations": fault["step"] - loaded, "landing_step": loaded, "checkpoint_every": every,
+            "checkpoint_save_s_mean": sum(saves) / len(saves) if saves else 0.0}
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="bench_recovery")
+def main(cfg) -> None:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    bench = from_mapping(BenchRecoveryConfig, data)
+    run_dir = HydraConfig.get().runtime.output_dir
+    job_data = {k: v for k, v in data.items() if k not in ("out", "kill_rank", "kill_step", "checkpoint_every",
+                                                           "checkpoint_dir", "ways")}
+    job = from_mapping(gpt_job.GPTJobConfig, job_data)
+    result = {"kill_rank": bench.kill_rank, "kill_step": bench.kill_step, "steps": bench.train.steps,
+              "zero_stage": bench.zero.stage, "num_ranks": bench.parallel.num_ranks}
+    if "hotspare" in bench.ways:
+        ref_dir = os.path.join(run_dir, "uninterrupted")
+        if gpt_job.launch(job, ref_dir, worker=WORKER, mode="hotspare") != 0:
+            sys.exit("bench_recovery: the uninterrupted run failed; see its output above")
+        ref = _ranks(ref_dir)
+        result["hotspare"], ranks = run_hotspare(job, bench, os.path.join(run_dir, "hotspare"))
+        result["bitwise_identical"] = len(ranks) == len(ref) and all(
+            (a["fp32_digest"], a["optimizer_digest"]) == (b["fp32_digest"], b["optimizer_digest"])
+            and all(a["losses"][k] == b["losses"][k] for k in b["losses"]) for a, b in zip(ref, ranks))
+    if "deepspeed_restart" in bench.ways:
+        ckpt = bench.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+        result["deepspeed_restart"] = run_restart(job, bench, os.path.join(run_dir, "deepspeed_restart"), ckpt,
+                                                  bench.checkpoint_every)
+    if "memory_restart" in bench.ways:
+        shm = f"/dev/shm/hotspare-bench-{os.getpid()}"
+        try:
+            result["memory_restart"] = run_restart(job, bench, os.path.join(run_dir, "memory_restart"), shm, 1)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+    if "hotspare" in result:
+        for way, key in (("deepspeed_restart", "speedup"), ("memory_restart", "speedup_vs_memory_restart")):
+            if way in result:
+                result[key] = result[way]["total_s"] / result["hotspare"]["total_s"]
+    with open(bench.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'way':<20}{'detect':>9}{'rebuild':>9}{'restore':>9}{'recompute':>11}{'total':>9}{'lost':>6}")
+    for way in ("hotspare", "deepspeed_restart", "memory_restart"):
+        if way in result:
+            r = result[way]
+            print(f"{way:<20}{r['detect_s']:9.2f}{r['rebuild_s']:9.2f}{r['restore_s']:9.2f}{r['recompute_s']:11.2f}"
+                  f"{r['total_s']:9.2f}{r['lost_iterations']:6d}")
+    for key in ("speedup", "speedup_vs_memory_restart", "bitwise_identical"):
+        if key in result:
+            print(f"{key}: {result[key]}")
+    print(f"wrote {bench.out}")
+
+
+if __name__ == "__main__":
+    main()
