@@ -57,3 +57,14 @@ def test_a_missing_member_of_a_new_generation_is_named():
     store.set("gen/3/arrived/0", "1")
     with pytest.raises(TimeoutError, match=r"generation 3: rank\(s\) \[2\] did not arrive within 0 s"):
         arrive(store, Generation(3, 1, 3), timeout_s=0.2)
+
+
+def test_the_modules_a_spare_imports_while_it_waits_exist():
+    """Pins LAZY_IMPORTS against the installed DeepSpeed: a moved module would silently put its
+    import back on the recovery's critical path."""
+    from hotspare.env import configure_accelerator
+
+    configure_accelerator()
+    from hotspare.integrations.deepspeed import warm_up_spare
+
+    assert warm_up_spare() == []

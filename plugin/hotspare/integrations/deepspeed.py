@@ -336,12 +336,15 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
                               "missing or has recovery off; give the job's config to every worker")
         store = store_from_env()
         heartbeat = _heartbeat(hs_config, store)
+        warm_up_spare()
         plan = _wait_for_takeover(store, heartbeat)
         t_order = time.monotonic()
         rank = plan.rank_of(worker_id())
         gen = Generation(plan.generation - 1, rank, plan.world_size)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size))
-        os.environ.setdefault("LOCAL_RANK", "0")
+        # The dead rank's device index on its node (free now that it died). A spare on another
+        # node would need a device its launcher reserved: not built yet (CPU-only so far).
+        os.environ["LOCAL_RANK"] = str(rank % env.env_int("LOCAL_WORLD_SIZE", plan.world_size))
         # Build rank R's engine with no peers (torch's fake group: collectives do nothing), then
         # join the survivors' real generation and re-point exactly as they do.
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -376,6 +379,34 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
     elif gen.world_size > 1:
         session._start_mirror(*session._hotspare_groups())
     return session
+
+
+# Modules deepspeed.initialize imports lazily, on its first call. A spare imports them while
+# it waits: in 0.19.8 the Muon optimizer module alone (imported by the ZeRO optimizer check)
+# took 2.0 of the 2.1 s a spare's ZeRO-2 engine build took after its order; with it imported
+# first the build takes 0.03 s (tests/test_recovery_pieces.py pins that these exist).
+LAZY_IMPORTS = (
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "deepspeed.module_inject.auto_ep_config",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.zero.stage3",
+    "deepspeed.runtime.zero.partition_parameters",
+    "deepspeed.runtime.zero.parameter_offload",
+    "deepspeed.runtime.zero.partitioned_param_coordinator",
+)
+
+
+def warm_up_spare() -> list[str]:
+    """Import what a spare's engine build would import after its order; returns what was missing."""
+    import importlib
+
+    missing = []
+    for name in LAZY_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)  # a DeepSpeed version that moved it: the build imports its own
+    return missing
 
 
 def _heartbeat(cfg: HotspareConfig, store) -> Heartbeat | None:
