@@ -39,7 +39,7 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int) -> None:
     ds["hotspare"] = {
         "events_dir": os.path.join(out, "events"),
         "mirror": {"chunk_mb": 0.01, "timeout_s": 20.0},
-        "recovery": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "collective_timeout_s": 30.0,
+        "recovery": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "collective_timeout_s": 30.0,
                      "rendezvous_timeout_s": 60.0},
     }
     session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
