@@ -43,7 +43,9 @@ def test_breaking_connections_gives_the_peer_eof_and_spares_the_store():
     (RuntimeError("Read error [127.0.0.1]:53425: Connection reset by peer"), True),
     (MirrorError("rank 0: mirroring stopped"), True),
     (TimeoutError("waited 60 s"), True),
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for recv operation"), True),
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"), False),
+    (RuntimeError("the data loader's timeout elapsed"), False),
     (ValueError("bad batch"), False),
     (KeyError("loss"), False),
 ])

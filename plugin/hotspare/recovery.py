@@ -34,12 +34,13 @@ class RecoveryError(RuntimeError):
     """Recovery cannot go on; the message says what was lost and what to do."""
 
 
-# Messages of the errors a collective raises when a peer died or the group broke (gloo's
-# tcp transport, NCCL, c10d's store); a training step that raises anything else has a bug,
-# which recovery must not hide.
-_DISTRIBUTED_MARKERS = ("connection closed by peer", "connection reset", "connection refused", "broken pipe",
-                        "timed out", "timeout", "gloo", "nccl", "socket", "process group", "processgroup",
-                        "peer", "unexpected end of file", "read error", "write error", "ncclremoteerror")
+# Messages of the errors a collective raises when a peer died or the group broke (gloo's tcp
+# transport, NCCL); a training step that raises anything else has a bug, which recovery must
+# not hide. Kept specific: a user error that merely mentions a "timeout" is not a fault.
+_DISTRIBUTED_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                        "connection refused", "timed out waiting", "gloo/transport", "read error [",
+                        "write error [", "nccl error", "ncclremoteerror", "ncclsystemerror",
+                        "process group has been aborted", "processgroup has been shut down")
 
 
 def is_distributed_error(exc: BaseException) -> bool:
