@@ -20,14 +20,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .mirror import Mirror, MirrorError
+from .mirror import NO_VERSION, Mirror, MirrorError
 from .planning import SELF, Holdings, RestorePlan, split_load
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32
-from .transport import TransferError
+from .transport import GlooTransport, TransferError
 
 TAG_RESTORE_HEADER = 81
 TAG_RESTORE_DATA = 82
-NONE = -1
 
 
 class RecoveryError(RuntimeError):
@@ -61,7 +60,7 @@ def exchange_holdings(group, world_size: int, mirror: Mirror | None) -> list[Hol
     ``mirror`` is this rank's mirror of the failed generation, stopped (None for a spare).
     Encoding: [own_a, own_b, send_rate, held_0 .. held_{W-1}], -1 for none.
     """
-    mine = torch.full((3 + world_size,), NONE, dtype=torch.int64)
+    mine = torch.full((3 + world_size,), NO_VERSION, dtype=torch.int64)
     if mirror is not None:
         own, held = mirror.holdings()
         for i, v in enumerate(sorted(own)[-2:]):
@@ -75,8 +74,8 @@ def exchange_holdings(group, world_size: int, mirror: Mirror | None) -> list[Hol
     holdings = []
     for t in out:
         v = [int(x) for x in t.tolist()]
-        holdings.append(Holdings(own=frozenset(x for x in v[:2] if x != NONE),
-                                 held={s: x for s, x in enumerate(v[3:]) if x != NONE},
+        holdings.append(Holdings(own=frozenset(x for x in v[:2] if x != NO_VERSION),
+                                 held={s: x for s, x in enumerate(v[3:]) if x != NO_VERSION},
                                  send_rate=float(max(0, v[2]))))
     return holdings
 
@@ -93,6 +92,7 @@ def fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Hol
     count on every rank: the first holder's header carries it, and every holder knows it.
     """
     t0 = time.perf_counter()
+    transport = GlooTransport(group, rank)
     sends, received = [], None
     stats = {"bytes_in": 0, "bytes_out": 0, "sources": []}
     for r in sorted(new_ranks):
@@ -101,7 +101,7 @@ def fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Hol
             raise RecoveryError(f"rank {r} was taken by a spare but the plan restores it from itself")
         rates = [holdings[h].send_rate for h in holders]
         if rank == r:
-            received = _receive(r, plan.version, holders, rates, layout_for, group, timeout_s)
+            received = _receive(r, plan.version, holders, rates, layout_for, transport, timeout_s)
             stats["bytes_in"] = received[1].nbytes
             stats["sources"] = list(holders)
             continue
@@ -113,23 +113,22 @@ def fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Hol
             raise RecoveryError(f"rank {rank} holds version {header.version} of rank {r}, the plan needs "
                                 f"{plan.version}")
         if holders[0] == rank:
-            sends.append(dist.isend(header.to_tensor(torch.zeros(HEADER_LEN, dtype=torch.int64)), r, group=group,
-                                    tag=TAG_RESTORE_HEADER))
+            sends.append(transport.send(header.to_tensor(torch.zeros(HEADER_LEN, dtype=torch.int64)), r,
+                                        TAG_RESTORE_HEADER))
         for off, n in mine:
-            sends.append(dist.isend(buf[off:off + n], r, group=group, tag=TAG_RESTORE_DATA))
+            sends.append(transport.send(buf[off:off + n], r, TAG_RESTORE_DATA))
             stats["bytes_out"] += n
-    for work in sends:
-        _wait(work, timeout_s, "sending restore bytes")
+    for handle in sends:
+        handle.wait(timeout_s)
     stats["transfer_s"] = time.perf_counter() - t0
     return received, stats
 
 
-def _receive(r: int, version: int, holders, rates, layout_for, group,
+def _receive(r: int, version: int, holders, rates, layout_for, transport: GlooTransport,
              timeout_s: float) -> tuple[torch.Tensor, Layout]:
     first = holders[0]
     header_t = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    _wait(dist.irecv(header_t, first, group=group, tag=TAG_RESTORE_HEADER), timeout_s,
-          f"receiving the restore header from rank {first}")
+    transport.recv(header_t, first, TAG_RESTORE_HEADER).wait(timeout_s)
     h = Header.from_tensor(header_t)
     if h.magic != MAGIC or h.source != r or h.version != version:
         raise RecoveryError(f"rank {r}: the restore header from rank {first} is for rank {h.source} version "
@@ -143,19 +142,9 @@ def _receive(r: int, version: int, holders, rates, layout_for, group,
     buf = layout.allocate()
     # Only the first holder's header is checked; the CRC-32 over the assembled bytes catches a
     # share from any holder whose copy differs.
-    works = [(h_, dist.irecv(buf[off:off + n], h_, group=group, tag=TAG_RESTORE_DATA)) for h_, off, n in ranges]
-    for src, work in works:
-        _wait(work, timeout_s, f"receiving restore bytes from rank {src}")
+    for handle in [transport.recv(buf[off:off + n], src, TAG_RESTORE_DATA) for src, off, n in ranges]:
+        handle.wait(timeout_s)
     if crc32(buf) != h.crc32:
         raise RecoveryError(f"rank {r}: the restored state fails its CRC-32 check (holders {list(holders)}); "
                             f"it is not used")
     return buf, layout
-
-
-def _wait(work, timeout_s: float, what: str) -> None:
-    import datetime
-
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
-        raise TransferError(f"{what} failed: {exc}") from exc
