@@ -116,6 +116,11 @@ def test_recipe_schema_checks(tmp_path):
     ({"recovery": {"rendezvous_timeout_s": -2}}, "hotspare.recovery.rendezvous_timeout_s=-2.0 must be > 0"),
     ({"recovery": {"max_recoveries": -1}}, "hotspare.recovery.max_recoveries=-1 must be >= 0"),
     ({"recovery": {"max_recoveries": 1.5}}, "hotspare.recovery.max_recoveries: expected an integer"),
+    ({"checkpoint": {"every": 50}}, "hotspare.checkpoint.every=50 needs checkpoint.dir"),
+    ({"checkpoint": {"dir": "/ckpt"}}, "hotspare.checkpoint.dir='/ckpt' is set but checkpoint.every is 0"),
+    ({"checkpoint": {"dir": "/ckpt", "every": -1}}, "hotspare.checkpoint.every=-1 must be >= 0"),
+    ({"checkpoint": {"dir": "/ckpt", "every": 5, "keep": 0}}, "hotspare.checkpoint.keep=0 must be at least 1"),
+    ({"checkpoint": {"path": "/ckpt"}}, "hotspare.checkpoint.path: unknown key"),
 ])
 def test_every_field_is_checked(section, message):
     with pytest.raises(ConfigError) as info:

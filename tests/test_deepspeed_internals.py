@@ -28,3 +28,30 @@ def test_zero_partitions_are_where_hotspare_reads_them(stage, dtype, tmp_path, n
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
     assert 2 * result["partition_numel"] >= result["num_params"]
+
+
+def test_the_checkpoint_engine_interface_hotspare_overrides():
+    """save_checkpoint writes through engine.checkpoint_engine: create, save (one per file), then
+    commit unless decoupled."""
+    import inspect
+
+    from hotspare import env
+
+    env.configure_accelerator()
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from hotspare.checkpoint import engine_class
+
+    for name in ("create", "save", "load", "commit", "makedirs", "is_decoupled", "preserves_storage_sharing",
+                 "is_data_parallel_writer"):
+        assert callable(getattr(CheckpointEngine, name, None)), name
+    assert issubclass(engine_class(), CheckpointEngine)
+    src = inspect.getsource(DeepSpeedEngine.save_checkpoint)
+    order = [src.index(s) for s in ("checkpoint_engine.create(", "_save_checkpoint(", "checkpoint_engine.commit(")]
+    assert order == sorted(order)
+    assert "save_latest and self.global_rank == 0" in src  # save_latest=False writes no 'latest' file
+    # The ZeRO partition's state goes to checkpoint_engine.save live (not cloned): the background
+    # engine's save() must copy it before returning.
+    assert "self.checkpoint_engine.save(" in inspect.getsource(DeepSpeedEngine._save_zero_checkpoint)
+    assert "client_state" in inspect.signature(DeepSpeedEngine.save_checkpoint).parameters

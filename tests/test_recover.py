@@ -18,10 +18,11 @@ WORKERS = os.path.dirname(WORKER)
 STEPS = 6
 
 
-def run(out, stage, kill="none", accum=1, spares=1):
+def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0):
     out.mkdir(parents=True)
     code = launch.run(launch.LaunchSpec(
-        script=[WORKER, str(stage), str(out), kill, str(accum), str(STEPS)], nproc_per_node=4, logical_nodes=2,
+        script=[WORKER, str(stage), str(out), kill, str(accum), str(STEPS), str(ckpt_every)], nproc_per_node=4,
+        logical_nodes=2,
         spares_per_node=spares, extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": WORKERS}))
     results = {}
     for path in glob.glob(str(out / "*.json")):
@@ -59,7 +60,7 @@ def assert_bitwise(ref, got, recoveries):
         assert b["threads_after_close"] == [] and b["process_group_after_close"] is False
     for r in got.values():
         for rec in r["recoveries"]:
-            if "failed_at" in rec:  # a survivor: at most one iteration lost
+            if "failed_at" in rec and "fallback" not in rec:  # a survivor: at most one iteration lost
                 assert rec["failed_at"] - rec["version"] <= 1, rec
 
 
@@ -113,3 +114,27 @@ def test_losing_a_rank_and_its_only_mirror_holder_stops_every_rank_with_what_was
     assert got == {}
     fallback = [e for e in events(tmp_path / "out") if e["kind"] == "fallback"]
     assert fallback and all("every copy of rank(s) 1 is lost" in e["reason"] for e in fallback), fallback[0]["reason"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_losing_a_rank_and_its_only_holder_falls_back_on_the_persistent_checkpoint(stage, tmp_path, tmp_path_factory,
+                                                                                  no_leaks):
+    """The same double loss with a DeepSpeed checkpoint every 2 steps: every rank (two of them
+    spares) loads the newest complete one, runs the steps since again and finishes bitwise
+    identical to the uninterrupted run."""
+    ref = reference(tmp_path_factory, stage, 1)
+    code, got = run(tmp_path / "out", stage, kill="1:5:0:forward,3:5:0:forward", ckpt_every=2)
+    assert code == 0
+    assert got[1]["spare"] and got[3]["spare"]
+    assert_bitwise(ref, got, {0: 1, 1: 1, 2: 1, 3: 1})
+    fallback = [e for e in events(tmp_path / "out") if e["kind"] == "fallback"]
+    assert len(fallback) == 4 and len({e["checkpoint"] for e in fallback}) == 1, fallback
+    landed = fallback[0]["version"]
+    # Step 4's files may still have been in flight on the ranks that died: 2 or 4, never partial.
+    assert landed in (2, 4) and fallback[0]["checkpoint"].endswith(f"global_step{landed}")
+    assert all("every copy of rank(s) 1" in e["reason"] for e in fallback)
+    restores = [e for e in events(tmp_path / "out") if e["kind"] == "restore"]
+    assert {e["source"] for e in restores} == {"checkpoint"}
+    # keep=2: the newest two complete checkpoints remain (the last one written at step 6).
+    kept = sorted(n for n in os.listdir(tmp_path / "out" / "ckpt") if n.startswith("global_step"))
+    assert kept == ["global_step4", "global_step6"], kept

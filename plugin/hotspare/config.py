@@ -98,6 +98,35 @@ class RecoveryConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Persistent DeepSpeed checkpoints: the last tier, loaded only when every in-memory copy of
+    some rank's state is lost (a rank and all its mirror holders died together)."""
+
+    dir: str = ""
+    """Directory every node can read (shared storage: a spare may load another node's rank); empty: off."""
+    every: int = 0
+    """Optimizer steps between saves (0: off). Written by a background thread, off the critical path."""
+    keep: int = 2
+    """Newest complete checkpoints kept; older ones (and incomplete ones older than them) are deleted."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every={self.every} must be >= 0 (0 turns saving off)")
+        if self.every > 0 and not self.dir:
+            raise ConfigError(f"checkpoint.every={self.every} needs checkpoint.dir: the directory the checkpoints "
+                              f"go to (shared by every node)")
+        if self.dir and self.every == 0:
+            raise ConfigError(f"checkpoint.dir={self.dir!r} is set but checkpoint.every is 0: say how many steps "
+                              f"apart the checkpoints are, or leave checkpoint.dir empty")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep={self.keep} must be at least 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
+@dataclass
 class HotspareConfig:
     """The ``"hotspare"`` section of a DeepSpeed JSON config."""
 
@@ -109,6 +138,8 @@ class HotspareConfig:
     """Peer mirroring of unique state (FFTrainer-style neighbouring redundancy)."""
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     """Failure detection and in-place recovery."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Persistent checkpoints, the fallback when redundancy is exhausted."""
 
 
 def check_choice(key: str, value: Any, allowed: tuple) -> None:

@@ -1,9 +1,10 @@
 """Worker for tests/test_recover.py: a ZeRO engine trained with ``session.resilient`` under
 hotspare-run; one rank SIGKILLs itself at a chosen (step, micro-batch, phase).
 
-Usage: recover.py STAGE OUT KILL ACCUM STEPS, KILL = 'none' or 'RANK:STEP:MICRO:PHASE' (or
+Usage: recover.py STAGE OUT KILL ACCUM STEPS [CKPT_EVERY], KILL = 'none' or 'RANK:STEP:MICRO:PHASE' (or
 several joined by ','), PHASE one of forward, backward, step, mirror, hang (SIGSTOP). Each process that
 finishes writes OUT/<worker id>.json: the losses by step, final digests, its recoveries.
+CKPT_EVERY > 0 saves a persistent checkpoint into OUT/ckpt every that many steps.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(stage: int, out: str, kill: str, accum: int, steps: int) -> None:
+def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: int = 0) -> None:
     model, ds = tiny_model_and_config(stage, lr=1e-2, gradient_accumulation_steps=accum)
     ds["zero_optimization"]["reduce_bucket_size"] = 2048  # several buckets: reductions run mid-backward
     ds["hotspare"] = {
@@ -42,6 +43,8 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int) -> None:
         "recovery": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "collective_timeout_s": 30.0,
                      "rendezvous_timeout_s": 60.0},
     }
+    if ckpt_every:
+        ds["hotspare"]["checkpoint"] = {"dir": os.path.join(out, "ckpt"), "every": ckpt_every}
     session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
     engine, rank, wid = session.engine, session.generation.rank, worker_id()
     faults = {}
@@ -105,4 +108,5 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
+         int(sys.argv[6]) if len(sys.argv) > 6 else 0)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import control, env, rebuild
+from .. import checkpoint, control, env, rebuild
 from ..config import ConfigError, HotspareConfig, split_deepspeed_config
 from ..events import EventLog
 from ..generation import Generation, join, leave, store_from_env
@@ -92,6 +92,8 @@ class Session:
     """One summary dict per recovery this process took part in (phases and their seconds)."""
     spare: bool = False
     """This process started as a spare and took a failed rank's place."""
+    checkpoints: Any = None
+    """The background checkpoint engine (None when ``hotspare.checkpoint`` is off)."""
     backend: str = "gloo"
 
     # ---- the training-loop API ---------------------------------------------------------------
@@ -152,6 +154,9 @@ class Session:
         broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
         if retained is not None:
             retained.stop()
+        if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
+            _log(f"rank {self.generation.rank}: the checkpoint writer is still busy after "
+                 f"{cfg.rendezvous_timeout_s} s; recovering without waiting for it")
         self.events("left", connections_broken=broken, seconds=time.monotonic() - t0)
         self.groups = ()
         leave()  # every group of the failed generation
@@ -188,13 +193,32 @@ class Session:
         try:
             target = choose_version(holdings, new_ranks)
         except NoConsistentVersion as exc:
-            self.events("fallback", reason=str(exc), checkpoint=None)
-            message = (f"{exc}. No persistent checkpoint is configured to fall back on; every rank stops. "
-                       f"Add mirror replicas (hotspare.mirror.replicas) to survive this failure.")
-            self.store.set(control.ABORT, message)  # every launcher stops its workers: no cascade of spares
-            raise RecoveryError(message) from None
+            version, detail = self._fall_back(exc, control_group)
+            phases["fallback"] = detail["checkpoint"]
+        else:
+            version, detail = self._restore_from_memory(target, new_ranks, holdings, retained, data_group)
+        layout = Layout.of(self.state.tensors())
+        _agree_on(control_group, [version, self.engine.global_steps, layout.id & 0xFFFFFFFF])
+        phases["restore_s"] = time.monotonic() - t2
+        self.events("restore", version=version, seconds=phases["restore_s"], **detail)
+
+        if retained is not None:
+            retained.transport.close()
+        self.mirror = None
+        self._start_mirror(data_group, control_group)
+        phases["total_s"] = time.monotonic() - t0
+        summary = {"generation": gen.index, "version": version, "replaced": plan.replaced,
+                   "failures": plan.failures, **phases}
+        self.recoveries.append(summary)
+        self.events("resume", version=version, **phases)
+        _log(f"rank {rank}: generation {gen.index} resumes at step {version} "
+             f"({', '.join(f'{k} {v:.3f}' for k, v in phases.items() if k.endswith('_s'))})")
+
+    def _restore_from_memory(self, target, new_ranks, holdings, retained, data_group) -> tuple[int, dict]:
+        """Land on ``target``: this rank's own snapshot, or its bytes from the holders of its mirror."""
+        rank = self.generation.rank
         received, moved = fetch(target, rank, new_ranks, holdings, retained, self.state.layout_for, data_group,
-                                cfg.mirror.timeout_s)
+                                self.config.mirror.timeout_s)
         if received is not None:
             buf, layout = received
         else:
@@ -204,22 +228,46 @@ class Session:
                 raise RecoveryError(f"rank {rank} has no snapshot of version {target.version} to restore")
         self.state.restore(buf, layout)
         self.state.resync()
-        _agree_on(control_group, [target.version, self.engine.global_steps, layout.id & 0xFFFFFFFF])
-        phases["restore_s"] = time.monotonic() - t2
-        self.events("restore", version=target.version, seconds=phases["restore_s"],
-                    source="peers" if received is not None else "self", **moved)
+        return target.version, {"source": "peers" if received is not None else "self", **moved}
 
-        if retained is not None:
-            retained.transport.close()
-        self.mirror = None
-        self._start_mirror(data_group, control_group)
-        phases["total_s"] = time.monotonic() - t0
-        summary = {"generation": gen.index, "version": target.version, "replaced": plan.replaced,
-                   "failures": plan.failures, **phases}
-        self.recoveries.append(summary)
-        self.events("resume", version=target.version, **phases)
-        _log(f"rank {rank}: generation {gen.index} resumes at step {target.version} "
-             f"({', '.join(f'{k} {v:.3f}' for k, v in phases.items() if k.endswith('_s'))})")
+    def _fall_back(self, lost: NoConsistentVersion, control_group) -> tuple[int, dict]:
+        """Every in-memory copy of some rank is gone: load the newest complete persistent checkpoint
+        (every rank the same one), or stop every rank saying what was lost."""
+        ck, world = self.config.checkpoint, self.generation.world_size
+        steps = checkpoint.complete_steps(ck.dir, world) if ck.enabled else []
+        # Every writer drained before the scan (recover flushes), so all ranks see the same
+        # directory; the minimum guards against one that did not.
+        newest = torch.tensor([steps[-1] if steps else -1], dtype=torch.int64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN, group=control_group)
+        step = int(newest)
+        if step < 0:
+            where = (f"no complete checkpoint exists under {ck.dir}" if ck.enabled else
+                     "no persistent checkpoint is configured (hotspare.checkpoint)")
+            self.events("fallback", reason=str(lost), checkpoint=None)
+            message = (f"{lost}. {where.capitalize()} to fall back on; every rank stops. Add mirror replicas "
+                       f"(hotspare.mirror.replicas) or persistent checkpoints (hotspare.checkpoint.every) to "
+                       f"survive this failure.")
+            self.store.set(control.ABORT, message)  # every launcher stops its workers: no cascade of spares
+            raise RecoveryError(message) from None
+        path = os.path.join(ck.dir, checkpoint.tag_of(step))
+        self.events("fallback", version=step, reason=str(lost), checkpoint=path)
+        _log(f"rank {self.generation.rank}: {lost}; falling back on the persistent checkpoint {path}: the steps "
+             f"since step {step} are run again")
+        self.state.load_checkpoint(ck.dir, checkpoint.tag_of(step))
+        return step, {"source": "checkpoint", "checkpoint": path}
+
+    def save_checkpoint(self) -> None:
+        """Save a persistent DeepSpeed checkpoint of the current step (collective: every rank).
+
+        The files are DeepSpeed's own; hotspare adds the RNG states and data position as client
+        state, and the writes happen on the background writer thread.
+        """
+        ck, e = self.config.checkpoint, self.engine
+        t0 = time.monotonic()
+        e.save_checkpoint(ck.dir, tag=checkpoint.tag_of(e.global_steps), save_latest=False,
+                          client_state={"hotspare": self.state.extras()})
+        self.events("checkpoint_start", version=e.global_steps, seconds=time.monotonic() - t0,
+                    wait_s=self.checkpoints.last_wait_s)
 
     def roots(self) -> list:
         """Where DeepSpeed keeps process-group handles (walked by :mod:`hotspare.rebuild`)."""
@@ -264,10 +312,14 @@ class Session:
         self.mirror.on_step(self.engine.global_steps, self.state.tensors, self.state.meta)
 
     def close(self) -> None:
-        """Stop mirroring and leave the current generation; call once at the end of training."""
+        """Stop mirroring, write the queued checkpoints, leave the current generation; call once at
+        the end of training."""
         if self.mirror is not None:
             self.mirror.close()
             self.mirror = None
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+            self.checkpoints = None
         if self.heartbeat is not None:
             self.heartbeat.close()
             self.heartbeat = None
@@ -370,6 +422,9 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         return session
     session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
     session.state = DeepSpeedState(engine, data_state, load_data_state)
+    if hs_config.checkpoint.enabled:
+        session.checkpoints = engine.checkpoint_engine = checkpoint.make_engine(
+            gen.rank, gen.world_size, hs_config.checkpoint.keep, session.events)
     _wrap_step(session)
     if spare:
         records = rebuild.find_groups(session.roots())
@@ -441,9 +496,13 @@ def _wrap_step(session: Session) -> None:
     def step_and_mirror(*args, **kw):
         before = engine.global_steps
         out = step(*args, **kw)
+        if engine.global_steps == before:
+            return out  # a micro-step inside gradient accumulation
         mirror = session.mirror
-        if mirror is not None and engine.global_steps != before:
+        if mirror is not None:
             mirror.on_step(engine.global_steps, session.state.tensors, session.state.meta)
+        if session.checkpoints is not None and engine.global_steps % session.config.checkpoint.every == 0:
+            session.save_checkpoint()
         return out
 
     engine.step = step_and_mirror
@@ -543,6 +602,29 @@ class DeepSpeedState:
             for name, live in self.tensors():
                 if not name.startswith("rng."):
                     live.copy_(views[name])
+        self._apply(meta, views)
+
+    def extras(self) -> dict:
+        """What a DeepSpeed checkpoint lacks for a bitwise resume: the metadata and the RNG states."""
+        return {"meta": self.meta(), "rng": {n: t.clone() for n, t in self.tensors() if n.startswith("rng.")}}
+
+    def load_checkpoint(self, directory: str, tag: str) -> None:
+        """Load a checkpoint saved by :meth:`Session.save_checkpoint` into the engine, in place, with
+        the bit16 weights re-derived (collective: every rank)."""
+        self._clear_interrupted_step()
+        path, client = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if path is None:
+            raise RecoveryError(f"DeepSpeed could not load the checkpoint {os.path.join(directory, tag)}")
+        extras = (client or {}).get("hotspare")
+        if extras is None:
+            raise RecoveryError(f"the checkpoint {path} was not saved by hotspare (no RNG states or data position "
+                                f"in its client state); resuming from it would not be the same run")
+        self._apply(extras["meta"], extras["rng"])
+        self.resync()
+
+    def _apply(self, meta: dict, views: dict) -> None:
+        """Counters, param groups, scheduler, loss scaler, RNG states and data position."""
         torch.set_rng_state(views["rng.torch"].clone())
         if self._accel is not None and "rng.accelerator" in views:
             self._accel.set_rng_state(views["rng.accelerator"].clone())
@@ -626,6 +708,23 @@ class DeepSpeedState:
     def resync(self) -> None:
         """After :meth:`restore`: drop the interrupted step's leftovers, then derive the replicated
         state (the bit16 weights) from the restored fp32 partitions. Collective (all ranks)."""
+        opt = self.engine.optimizer
+        self._clear_interrupted_step()
+        if self.engine.zero_optimization_stage() in (1, 2):
+            opt.update_lp_params()  # fp32 -> this rank's bit16 partition, then all-gather
+        else:
+            opt._partition_all_parameters()
+            for i in range(len(opt.fp32_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(i)
+            opt.checkpoint_event_epilogue()
+            # A rank whose engine is new has no forward trace while survivors have one: every
+            # rank starts tracing again, or their prefetch decisions (and collectives) diverge.
+            coord = opt.parameter_offload.get_param_coordinator()
+            if not coord.is_invalid_trace():
+                coord._invalidate_trace()
+
+    def _clear_interrupted_step(self) -> None:
+        """The leftovers of a step cut short: partial gradients, buckets, in-flight gathers (local)."""
         e = self.engine
         opt = e.optimizer
         stage = e.zero_optimization_stage()
@@ -646,18 +745,8 @@ class DeepSpeedState:
             opt.zero_grad(set_to_none=True)
             for part in opt.single_partition_of_fp32_groups:
                 part.grad = None
-            opt.update_lp_params()  # fp32 -> this rank's bit16 partition, then all-gather
         else:
             _reset_zero3(e, opt)
-            opt._partition_all_parameters()
-            for i in range(len(opt.fp32_partitioned_groups_flat)):
-                opt._reassign_or_swap_out_partitioned_parameters(i)
-            opt.checkpoint_event_epilogue()
-            # A rank whose engine is new has no forward trace while survivors have one: every
-            # rank starts tracing again, or their prefetch decisions (and collectives) diverge.
-            coord = opt.parameter_offload.get_param_coordinator()
-            if not coord.is_invalid_trace():
-                coord._invalidate_trace()
 
     def bytes_per_param(self) -> float:
         """Unique bytes this rank mirrors per model parameter (all ranks together)."""
