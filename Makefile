@@ -26,8 +26,10 @@ test: venv
 slow: venv
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+# The GPT recipe with one spare per logical node; rank 1 is SIGKILLed before step 150 and
+# replaced in place. Prints the recovery's phases and writes timeline.png (see the run dir).
 demo: venv
-	$(PY) recipes/train_gpt.py
+	$(PY) recipes/train_gpt.py parallel.spares_per_node=1 fault.rank=1 fault.step=150
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

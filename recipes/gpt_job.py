@@ -34,8 +34,12 @@ class ParallelConfig:
     """How long a worker waits to reach the control store."""
     collective_timeout_s: float = 120.0
     """Timeout of the training process group's collectives."""
+    spares_per_node: int = 0
+    """Standby workers per logical node (hot spares that take a failed rank's place)."""
 
     def __post_init__(self) -> None:
+        if self.spares_per_node < 0:
+            raise ValueError(f"parallel.spares_per_node={self.spares_per_node} must be >= 0")
         if self.num_ranks < 1:
             raise ValueError(f"parallel.num_ranks={self.num_ranks} must be at least 1")
         if self.logical_nodes < 1 or self.num_ranks % self.logical_nodes:
@@ -91,6 +95,16 @@ class TrainConfig:
 
 
 @dataclass
+class FaultConfig:
+    """A failure injected into the run (to watch a recovery)."""
+
+    rank: int = -1
+    """The rank SIGKILLed before the forward of ``step`` (-1: no failure)."""
+    step: int = 0
+    """The step (0-based) before which it dies."""
+
+
+@dataclass
 class GPTJobConfig:
     """The GPT smoke job: model, parallelism, ZeRO, loop, hotspare."""
 
@@ -99,10 +113,23 @@ class GPTJobConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     hotspare: HotspareConfig = field(default_factory=HotspareConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     corpus: str = ""
     """Text file to train on; empty uses the public-domain corpus the package ships."""
     out_dir: str = ""
     """Where run.json, per-rank results and summary.json go; empty uses Hydra's run directory."""
+
+    def __post_init__(self) -> None:
+        f = self.fault
+        if f.rank >= 0:
+            if f.rank >= self.parallel.num_ranks:
+                raise ValueError(f"fault.rank={f.rank} must be below parallel.num_ranks={self.parallel.num_ranks}")
+            if not 0 <= f.step < self.train.steps:
+                raise ValueError(f"fault.step={f.step} must be in [0, train.steps={self.train.steps})")
+            if self.parallel.spares_per_node < 1 or not self.hotspare.enabled:
+                raise ValueError(f"fault.rank={f.rank} kills a rank, but parallel.spares_per_node="
+                                 f"{self.parallel.spares_per_node} and hotspare.enabled={self.hotspare.enabled}: the "
+                                 f"job would just stop; start a spare (parallel.spares_per_node=1)")
 
 
 def register(name: str = "gpt_job_schema") -> None:
@@ -110,7 +137,7 @@ def register(name: str = "gpt_job_schema") -> None:
     cs = ConfigStore.instance()
     cs.store(name=name, node=GPTJobConfig)
     for group, node in (("model", GPTConfig), ("parallel", ParallelConfig), ("zero", ZeroConfig),
-                        ("train", TrainConfig)):
+                        ("train", TrainConfig), ("fault", FaultConfig)):
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 
@@ -149,15 +176,21 @@ def deepspeed_config(job: GPTJobConfig) -> dict:
 
 
 def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, worker: str = WORKER,
-           spares_per_node: int = 0, **worker_options) -> int:
+           spares_per_node: int | None = None, **worker_options) -> int:
     """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code.
 
     ``worker_options`` go to gpt_worker.py as is: ``verify_mirror`` (record digests of every
     live and mirrored version), ``mirror_block`` (alternate blocks of steps off and on).
+    Events go to ``out_dir/events`` unless ``hotspare.events_dir`` says otherwise.
     """
     os.makedirs(out_dir, exist_ok=True)
-    run_cfg = {"model": to_mapping(job.model), "train": to_mapping(job.train), "deepspeed": deepspeed_config(job),
-               "corpus": job.corpus, "out_dir": out_dir,
+    ds = deepspeed_config(job)
+    if job.hotspare.enabled and not job.hotspare.events_dir:
+        ds["hotspare"]["events_dir"] = os.path.join(out_dir, "events")
+    if spares_per_node is None:
+        spares_per_node = job.parallel.spares_per_node
+    run_cfg = {"model": to_mapping(job.model), "train": to_mapping(job.train), "deepspeed": ds,
+               "corpus": job.corpus, "out_dir": out_dir, "fault": to_mapping(job.fault) if job.fault.rank >= 0 else None,
                "collective_timeout_s": job.parallel.collective_timeout_s, **worker_options}
     path = os.path.join(out_dir, "run.json")
     with open(path, "w", encoding="utf-8") as f:
@@ -185,7 +218,9 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     """The job summary: loss at start and end (mean over ranks), throughput, digests."""
     steps = results[0]["steps"]
     k = max(1, min(10, steps // 10))
-    mean_loss = [statistics.fmean(r["losses"][i] for r in results) for i in range(steps)]
+    # A spare's record starts at the step it landed on: each step's mean is over the ranks that have it.
+    mean_loss = [statistics.fmean(r["losses"][i - r["first_step"]] for r in results
+                                  if 0 <= i - r["first_step"] < len(r["losses"])) for i in range(steps)]
     step_s = statistics.median(r["step_s_median"] for r in results)
     return {
         "steps": steps, "num_ranks": len(results), "zero_stage": results[0]["zero_stage"],

@@ -2,14 +2,20 @@
 
 Started by hotspare-run (see recipes/train_gpt.py) with ``--config RUN.json``; writes
 ``rank<R>.json`` (per-step losses as float hex, digests of its fp32 partition and optimizer
-state, timings) into the run's output directory. Rank 0 prints progress.
+state, timings, recoveries) into the run's output directory. Rank 0 prints progress.
+
+The loop is written with ``session.resilient`` / ``session.steps``: a failed peer is replaced
+in place and the interrupted step runs again. ``fault`` in run.json (``{"rank": R, "step":
+S}``) SIGKILLs rank R before the forward of step S, once, and records when in fault.json.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import statistics
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,6 +30,7 @@ from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_ten
 from hotspare.snapshot import read_meta
 from hotspare.testing.data import ByteSampler, load_corpus
 from hotspare.testing.gpt import GPT, GPTConfig
+from hotspare.worker import worker_id
 
 
 def digest(tensors) -> str:
@@ -63,32 +70,44 @@ def main() -> int:
     session = hotspare.initialize(model=model, config=run["deepspeed"], model_parameters=model.parameters(),
                                   collective_timeout_s=run.get("collective_timeout_s", 120.0))
     engine = session.engine
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = session.generation.rank, session.generation.world_size
     micro_bs, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     sampler = ByteSampler(load_corpus(run.get("corpus", "")), model.cfg.seq_len, micro_bs, seed=train["seed"])
     tokens_per_step = world * micro_bs * accum * model.cfg.seq_len
-    if rank == 0:
+    if rank == 0 and not session.spare:
         print(f"GPT {model.num_params():,} params | ZeRO-{engine.zero_optimization_stage()} | {world} ranks | "
               f"{tokens_per_step} tokens/step", flush=True)
 
-    mirror, verify = session.mirror, run.get("verify_mirror", False)
+    verify = run.get("verify_mirror", False)
     block = run.get("mirror_block", 0)
-    own_digests, held_digests, mirrored_steps = {}, [], []
-    losses, step_times = [], []
-    window_loss, window_t0 = torch.zeros(()), time.perf_counter()
-    for step in range(train["steps"]):
+    own_digests, held_digests, mirrored = {}, [], {}
+    # By step: a step run again after a recovery overwrites what its first run left.
+    losses, step_times, step_end = {}, {}, {}
+    fault = run.get("fault") or {}
+    window = {"t0": time.perf_counter(), "steps": 0}
+
+    @session.resilient
+    def train_step(step: int) -> None:
+        mirror = session.mirror  # a recovery starts a new one
         if mirror is not None and block:
             # Alternate blocks of steps with mirroring off and on (same process, same data).
             mirror.enabled = (step // block) % 2 == 1
-        mirrored_steps.append(mirror is not None and mirror.enabled)
+        mirrored[step] = mirror is not None and mirror.enabled
         t0 = time.perf_counter()
         for micro in range(accum):
+            if fault.get("rank") == rank and fault.get("step") == step and worker_id() == f"a{rank}":
+                with open(os.path.join(out_dir, "fault.json"), "w", encoding="utf-8") as f:
+                    json.dump({"t": time.monotonic(), "rank": rank, "step": step}, f)
+                os.kill(os.getpid(), signal.SIGKILL)
             tokens, targets = sampler.batch(step * accum + micro, rank)
             loss = engine(tokens.to(engine.device), targets.to(engine.device))
             engine.backward(loss)
             engine.step()
-        step_times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        step_times[step] = time.perf_counter() - t0
+        step_end[step] = time.monotonic()
+        if session.events is not None:  # for the recipe's timeline plot
+            session.events("step", version=step, seconds=step_times[step], worker=worker_id())
+        losses[step] = loss.item()
         if verify and mirror is not None:
             own_digests[engine.global_steps] = live_digest(session.state)
             for src in mirror.sources:
@@ -96,17 +115,22 @@ def main() -> int:
                 # Version 0 (before the first step) has no optimizer state: another layout.
                 if buf is not None and buf.numel() == mirror.layout.nbytes:
                     held_digests.append([src, version, snapshot_digest(mirror.layout, buf)])
-        window_loss += loss.detach().float().cpu()
+        window["steps"] += 1
         if (step + 1) % train["log_interval"] == 0 or step + 1 == train["steps"]:
-            n = (step % train["log_interval"]) + 1
-            dist.all_reduce(window_loss)
-            elapsed = time.perf_counter() - window_t0
+            # The window's mean loss from the per-step record: exact after a step ran twice.
+            first = step - step % train["log_interval"]
+            window_loss = torch.tensor(sum(losses[s] for s in range(first, step + 1)), dtype=torch.float64)
+            dist.all_reduce(window_loss)  # inside the step: a peer lost here is recovered too
+            elapsed = time.perf_counter() - window["t0"]
             if rank == 0:
-                print(f"step {step + 1:5d} | loss {window_loss.item() / (world * n):.4f} | "
-                      f"{tokens_per_step * n / elapsed:,.0f} tokens/s", flush=True)
-            window_loss.zero_()
-            window_t0 = time.perf_counter()
+                print(f"step {step + 1:5d} | loss {window_loss.item() / (world * (step + 1 - first)):.4f} | "
+                      f"{tokens_per_step * window['steps'] / elapsed:,.0f} tokens/s", flush=True)
+            window.update(t0=time.perf_counter(), steps=0)
 
+    for step in session.steps(train["steps"]):
+        train_step(step)
+
+    mirror = session.mirror
     mirror_result = None
     if mirror is not None:
         mirror.enabled = True
@@ -125,15 +149,21 @@ def main() -> int:
             for src in mirror.sources:
                 version, buf = mirror.read_committed(src)
                 held_digests.append([src, version, snapshot_digest(mirror.layout, buf)])
+    steps = range(train["steps"])
     result = {
-        "rank": rank, "world_size": world, "zero_stage": engine.zero_optimization_stage(),
-        "steps": train["steps"], "losses_hex": [float(x).hex() for x in losses], "losses": losses,
+        "rank": rank, "worker": worker_id(), "spare": session.spare, "world_size": world,
+        "zero_stage": engine.zero_optimization_stage(), "steps": train["steps"],
+        "losses_hex": [float(losses[s]).hex() for s in steps if s in losses],
+        "losses": [losses[s] for s in steps if s in losses], "first_step": min(losses, default=0),
         "fp32_digest": digest(fp32_partitions(engine)),
         "optimizer_digest": digest(t for _, t in optimizer_state_tensors(engine)),
         "fp32_numel": sum(p.numel() for p in fp32_partitions(engine)),
         "num_params": model.num_params(), "tokens_per_step": tokens_per_step,
-        "step_s_median": sorted(step_times)[len(step_times) // 2], "total_s": sum(step_times),
-        "step_times": step_times, "mirrored_steps": mirrored_steps, "mirror": mirror_result,
+        "step_s_median": statistics.median(step_times.values()), "total_s": sum(step_times.values()),
+        "step_times": [step_times[s] for s in steps if s in step_times],
+        "step_end": {str(s): t for s, t in step_end.items()},
+        "mirrored_steps": [mirrored[s] for s in steps if s in mirrored], "mirror": mirror_result,
+        "recoveries": session.recoveries,
     }
     session.close()
     result["threads_after_close"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("hotspare"))

@@ -40,9 +40,27 @@ def test_two_runs_with_one_seed_are_bitwise_identical(zero, tmp_path, no_leaks):
     assert other[0]["losses_hex"][:2] != first[0]["losses_hex"][:2]
 
 
-def test_recipe_trains_and_loss_falls(tmp_path, no_leaks):
+
+def test_the_recipe_recovers_a_killed_rank_bitwise(tmp_path, no_leaks):
+    """The GPT recipe's loop with a spare: rank 1 is SIGKILLed before step 6 of 12, a spare takes
+    it, and every rank ends bitwise identical to the uninterrupted run (the spare's record
+    starts at the step it landed on)."""
+    cfg = {"train": {"steps": 12, "log_interval": 6}}
+    ref = run_job(tmp_path / "ref", **cfg)
+    got = run_job(tmp_path / "hit", **cfg, parallel={"spares_per_node": 1}, fault={"rank": 1, "step": 6})
+    assert got[1]["spare"] and got[1]["first_step"] == 6 and not got[0]["spare"]
+    for r, (a, b) in enumerate(zip(ref, got)):
+        assert b["losses_hex"] == a["losses_hex"][b["first_step"]:], f"rank {r}: losses differ after the recovery"
+        assert (b["fp32_digest"], b["optimizer_digest"]) == (a["fp32_digest"], a["optimizer_digest"]), r
+    assert [len(r["recoveries"]) for r in got] == [1, 1, 1, 1]
+
+
+def test_recipe_trains_through_a_failure_and_loss_falls(tmp_path, no_leaks):
+    """What make demo runs (shorter): a spare per logical node, rank 1 killed before step 100;
+    the recipe prints the recovery's phases and writes the timeline plot."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "recipes/train_gpt.py", "train.steps=200", "train.log_interval=50",
+                           "parallel.spares_per_node=1", "fault.rank=1", "fault.step=100",
                            f"out_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -51,6 +69,14 @@ def test_recipe_trains_and_loss_falls(tmp_path, no_leaks):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 200 and summary["num_ranks"] == 4
     assert summary["loss_first"] > 5.0 and summary["loss_last"] < summary["loss_first"] - 2.0, summary
+    (rec,) = summary["recoveries"]
+    assert rec["replaced"] == {"1": "s0.0"} and rec["version"] == 100 and rec["failures"][0]["reason"] == "exit"
+    assert all(rec["durations"][p] > 0 for p in ("detect", "plan", "rebuild", "restore", "resume")), rec
+    assert "recovery 1: rank 1 exit; rank 1 -> s0.0; resumed at step 100" in proc.stdout
+    for phase in ("detect", "plan", "rebuild", "restore", "resume", "total"):
+        assert f"  {phase} " in proc.stdout
+    png = (out / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_recipe_rejects_unknown_override(tmp_path):
