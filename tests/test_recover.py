@@ -18,12 +18,13 @@ WORKERS = os.path.dirname(WORKER)
 STEPS = 6
 
 
-def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0):
+def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0, collective_timeout_s=30.0):
     out.mkdir(parents=True)
     code = launch.run(launch.LaunchSpec(
         script=[WORKER, str(stage), str(out), kill, str(accum), str(STEPS), str(ckpt_every)], nproc_per_node=4,
-        logical_nodes=2,
-        spares_per_node=spares, extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": WORKERS}))
+        logical_nodes=2, spares_per_node=spares, stall_grace_s=2.0,
+        extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": WORKERS,
+                   "HS_TEST_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s)}))
     results = {}
     for path in glob.glob(str(out / "*.json")):
         r = json.loads(open(path, encoding="utf-8").read())
@@ -138,3 +139,35 @@ def test_losing_a_rank_and_its_only_holder_falls_back_on_the_persistent_checkpoi
     # keep=2: the newest two complete checkpoints remain (the last one written at step 6).
     kept = sorted(n for n in os.listdir(tmp_path / "out" / "ckpt") if n.startswith("global_step"))
     assert kept == ["global_step4", "global_step6"], kept
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stuck_rank_that_keeps_beating_is_found_by_the_collective_timeout(stage, tmp_path, tmp_path_factory,
+                                                                          no_leaks):
+    """Rank 1's training thread stops for good before step 2 while its heartbeat goes on: its
+    peers' collectives time out (8 s here; DeepSpeed's own groups get the configured timeout,
+    not torch's 30 min), they report, rank 1 does not, the coordinator has it killed
+    ('watchdog') and a spare takes it."""
+    ref = reference(tmp_path_factory, stage, 1)
+    code, got = run(tmp_path / "out", stage, kill="1:2:0:wedge", collective_timeout_s=8.0)
+    assert code == 0
+    assert got[1]["spare"]
+    assert_bitwise(ref, got, {0: 1, 1: 1, 2: 1, 3: 1})
+    (failure,) = got[0]["recoveries"][0]["failures"]
+    assert failure["reason"] == "watchdog" and failure["rank"] == 1 and failure["detect_s"] >= 8.0, failure
+    seen = [e for e in events(tmp_path / "out") if e["kind"] == "failure_seen"]
+    assert any(e["timed_out"] for e in seen), seen
+
+
+def test_a_transient_fault_with_nobody_dead_rebuilds_with_the_same_workers(tmp_path, tmp_path_factory, no_leaks):
+    """Rank 2 raises a collective timeout once and nobody dies: every rank reports, the
+    coordinator plans the next generation with the same workers, no spare is used, and
+    training lands on the step every rank holds and finishes bitwise identical."""
+    ref = reference(tmp_path_factory, 2, 1)
+    code, got = run(tmp_path / "out", 2, kill="2:3:0:transient")
+    assert code == 0
+    assert not any(r["spare"] for r in got.values())
+    assert_bitwise(ref, got, {0: 1, 1: 1, 2: 1, 3: 1})
+    for r in got.values():
+        (rec,) = r["recoveries"]
+        assert rec["replaced"] == {} and rec["failures"] == [] and rec["version"] == 3

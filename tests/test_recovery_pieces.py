@@ -70,3 +70,27 @@ def test_the_modules_a_spare_imports_while_it_waits_exist():
     from hotspare.integrations.deepspeed import warm_up_spare
 
     assert warm_up_spare() == []
+
+
+def test_groups_created_without_a_timeout_get_the_configured_one():
+    """DeepSpeed's new_group(ranks) passes no timeout: torch then reads the module default,
+    which default_group_timeout sets for the duration of deepspeed.initialize."""
+    import datetime
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from hotspare.integrations.deepspeed import default_group_timeout
+
+    before = c10d._get_default_timeout("gloo")
+    with default_group_timeout(7.0):
+        assert c10d._get_default_timeout("gloo") == datetime.timedelta(seconds=7)
+    assert c10d._get_default_timeout("gloo") == before
+    assert "_get_default_timeout(" in inspect.getsource(c10d._new_group_with_tag)
+    import importlib
+
+    from hotspare import env
+
+    env.configure_accelerator()
+    backend = importlib.import_module("deepspeed.comm.torch").TorchBackend
+    assert "torch.distributed.new_group(ranks)" in inspect.getsource(backend.new_group)

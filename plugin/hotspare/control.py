@@ -14,6 +14,11 @@ Keys:
 - ``order/<wid>``: a spare's takeover order: the generation it joins (the plan says as whom).
 - ``abort``: set by a worker that found the job unrecoverable (the message says what was
   lost); every launcher stops its workers and exits with ``launch.ABORT_EXIT_CODE``.
+- ``wait/count``, ``wait/<i>``: a survivor that saw a failure and left generation g says so
+  (:class:`Waiting`); a failure no launcher saw (a collective that timed out because a rank is
+  stuck while its heartbeat goes on) is found from who is missing here.
+- ``kill/count``, ``kill/<i>``: the coordinator asks a worker's launcher to kill it as hung
+  (JSON ``{"worker", "detect_s"}``); the launcher reports it as a 'watchdog' failure.
 
 Worker ids: ``a<rank>`` for the ranks started active, ``s<node>.<k>`` for spares.
 """
@@ -25,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 FAIL_COUNT = "fail/count"
+WAIT_COUNT = "wait/count"
+KILL_COUNT = "kill/count"
 ABORT = "abort"
 SPARE_COUNT = "spare/count"
 STORE_POLL_S = 0.02
@@ -49,11 +56,28 @@ class Failure:
     code: int
     """Exit code (negative: killed by that signal)."""
     reason: str
-    """'exit' (the process ended) or 'heartbeat' (it stopped beating and was killed)."""
+    """'exit' (the process ended), 'heartbeat' (it stopped beating and was killed) or 'watchdog'
+    (its peers' collectives timed out waiting for it while it kept beating; killed)."""
     wall_time: float
     """time.time() when the launcher saw it (fault-to-detection is measured from here backwards)."""
     detect_s: float = 0.0
-    """For 'heartbeat': seconds of silence before the launcher acted."""
+    """Seconds from the fault to this report, as far as the launcher can tell: 'heartbeat' the
+    silence; 'watchdog' the peers' collective timeout plus the wait for the stragglers' reports;
+    'exit' 0 (the exit is seen within one poll, ``launch.POLL_INTERVAL_S``)."""
+
+
+@dataclass
+class Waiting:
+    """A survivor's report that it saw a failure and left its generation."""
+
+    worker: str
+    rank: int
+    generation: int
+    """The generation it left."""
+    timed_out: bool = False
+    """Its failure was a collective that timed out (no peer error): someone may be stuck."""
+    waited_s: float = 0.0
+    """How long that collective waited (its group's timeout) when ``timed_out``."""
 
 
 @dataclass

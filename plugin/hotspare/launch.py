@@ -58,6 +58,10 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     settle_s: float = 0.2
     """After a failure, how long the coordinator waits for further failures before it plans."""
+    stall_grace_s: float = 5.0
+    """After a survivor reports a failure no launcher saw, how long every other active worker
+    has to report it too; one that does not is stuck (alive, beating, not in the collective)
+    and is killed and replaced. When all report, the same workers form the next generation."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Added to every worker's environment."""
 
@@ -75,6 +79,8 @@ class LaunchSpec:
                              f"--logical-nodes={self.logical_nodes}")
         if self.spares_per_node < 0:
             raise ValueError(f"--spares-per-node={self.spares_per_node} must be >= 0")
+        if not self.stall_grace_s > 0:
+            raise ValueError(f"--stall-grace-s={self.stall_grace_s} must be > 0")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required when --nnodes > 1 (every launcher must find the store)")
         if not self.script:
@@ -126,6 +132,11 @@ class Launcher:
         self._spares: list[tuple[str, int]] = []  # registered, not yet promoted (coordinator)
         self._pending: list[control.Failure] = []
         self._pending_since = 0.0
+        self._kill_read = 0
+        self._wait_read = 0
+        self._waiting: dict[int, dict[str, control.Waiting]] = {}  # generation -> worker -> report
+        self._stall_since: float | None = None
+        self._killed: set[str] = set()
 
     @property
     def world_size(self) -> int:
@@ -168,6 +179,9 @@ class Launcher:
             env.HOTSPARE_JOB_ID: self.job_id, env.HOTSPARE_GENERATION: "0",
             env.HOTSPARE_STORE_TIMEOUT_S: str(s.store_timeout_s),
         })
+        # NCCL: on a collective timeout abort the communicators and raise in the worker (2,
+        # CleanUpOnly) instead of tearing the process down, so a survivor can recover in place.
+        worker_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         return worker_env
 
     def _spawn(self, worker_env: dict[str, str]) -> subprocess.Popen:
@@ -233,7 +247,8 @@ class Launcher:
         failure = control.Failure(worker=w.wid, rank=w.rank, code=code, reason=reason, wall_time=time.time(),
                                   detect_s=detect_s)
         what = f"rank {w.rank}" if w.rank >= 0 else f"spare {w.wid}"
-        how = _describe(code) if reason == "exit" else f"no heartbeat for {detect_s:.1f} s, killed"
+        how = {"exit": _describe(code), "heartbeat": f"no heartbeat for {detect_s:.1f} s, killed",
+               "watchdog": f"stuck (its peers' collectives timed out waiting for it; {detect_s:.1f} s), killed"}[reason]
         _log(f"{what} ({w.wid}, node {w.node}) failed: {how}")
         control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
 
@@ -255,6 +270,14 @@ class Launcher:
             self._report(w, w.proc.returncode, "heartbeat", detect_s=now - w.beat_seen)
 
     def _watch(self) -> None:
+        for text in control.read_list(self.store, control.KILL_COUNT, "kill/", self._kill_read):
+            self._kill_read += 1
+            order = json.loads(text)
+            w = self.workers.get(order["worker"])
+            if w is not None and not w.done:
+                _signal_group(w.proc, signal.SIGKILL)
+                w.proc.wait()
+                self._report(w, w.proc.returncode, "watchdog", detect_s=order["detect_s"])
         now = time.monotonic()
         for w in list(self.workers.values()):
             if w.done:
@@ -298,8 +321,15 @@ class Launcher:
                 if not self._pending:
                     self._pending_since = time.monotonic()
                 self._pending.append(failure)
+        for text in control.read_list(self.store, control.WAIT_COUNT, "wait/", self._wait_read):
+            self._wait_read += 1
+            report = control.Waiting(**json.loads(text))
+            self._waiting.setdefault(report.generation, {})[report.worker] = report
+        if not self._pending:
+            self._find_stalled()
         if not self._pending or time.monotonic() - self._pending_since < self.spec.settle_s:
             return
+        self._stall_since = None
         failures, self._pending = self._pending, []
         previous = self._current_plan()
         workers = dict(previous.workers)
@@ -330,6 +360,36 @@ class Launcher:
         self.store.set(f"plan/{g}", plan.to_json())
         for wid in plan.replaced.values():
             self.store.set(f"order/{wid}", str(g))
+
+    def _find_stalled(self) -> None:
+        """Survivors left the current generation but no launcher reported a failure: a rank is stuck
+        (alive and beating, but not in the collective its peers timed out in), or the fault was
+        transient. Who has not reported within ``stall_grace_s`` is killed (then replaced like any
+        failure); when every active worker reported, the same workers form the next generation."""
+        g = self.generation
+        waiting = self._waiting.get(g)
+        if not waiting or self.store.check([f"plan/{g + 1}"]):
+            return
+        now = time.monotonic()
+        if self._stall_since is None:
+            self._stall_since = now
+        active = set(self._current_plan().workers.values())
+        missing = sorted(active - set(waiting) - self._killed)
+        if not missing and not (active & self._killed):
+            plan = control.Plan(g + 1, self.world_size, dict(self._current_plan().workers))
+            _log(f"generation {g + 1}: every rank saw a failure and none died (a transient fault); "
+                 f"rebuilding with the same workers")
+            self.store.set(f"plan/{g + 1}", plan.to_json())
+            self._stall_since = None
+            return
+        if missing and now - self._stall_since > self.spec.stall_grace_s:
+            waited = max((r.waited_s for r in waiting.values() if r.timed_out), default=0.0)
+            for wid in missing:
+                _log(f"worker {wid} did not report the failure its peers saw within {self.spec.stall_grace_s} s: "
+                     f"killing it as stuck")
+                control.append(self.store, control.KILL_COUNT, "kill/",
+                               json.dumps({"worker": wid, "detect_s": waited + now - self._stall_since}))
+                self._killed.add(wid)
 
     def _current_plan(self) -> control.Plan:
         if self.generation == 0:
@@ -425,6 +485,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     p.add_argument("--spares-per-node", "--spares_per_node", type=int, default=0)
     p.add_argument("--job-id", default="")
     p.add_argument("--store-timeout", type=float, default=60.0)
+    p.add_argument("--stall-grace-s", type=float, default=5.0,
+                   help="seconds every active worker has to report a failure its peers saw before it is "
+                        "killed as stuck")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -439,7 +502,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     return LaunchSpec(script=script, nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
                       master_addr=addr, master_port=port, logical_nodes=a.logical_nodes,
                       spares_per_node=a.spares_per_node, job_id=a.job_id,
-                      store_timeout_s=a.store_timeout)
+                      store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:

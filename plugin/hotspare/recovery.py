@@ -54,6 +54,11 @@ def is_distributed_error(exc: BaseException) -> bool:
     return False
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that gave up waiting (not a peer that reported an error)."""
+    return isinstance(exc, TimeoutError) or (isinstance(exc, RuntimeError) and "timed out" in str(exc).lower())
+
+
 def exchange_holdings(group, world_size: int, mirror: Mirror | None) -> list[Holdings]:
     """All-gather every rank's :class:`Holdings` over ``group`` (a gloo group of the new generation).
 

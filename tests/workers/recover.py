@@ -2,7 +2,8 @@
 hotspare-run; one rank SIGKILLs itself at a chosen (step, micro-batch, phase).
 
 Usage: recover.py STAGE OUT KILL ACCUM STEPS [CKPT_EVERY], KILL = 'none' or 'RANK:STEP:MICRO:PHASE' (or
-several joined by ','), PHASE one of forward, backward, step, mirror, hang (SIGSTOP). Each process that
+several joined by ','), PHASE one of forward, backward, step, mirror, hang (SIGSTOP), wedge (the training thread
+stops for good, the heartbeat goes on), transient (raise a collective timeout once; nobody dies). Each process that
 finishes writes OUT/<worker id>.json: the losses by step, final digests, its recoveries.
 CKPT_EVERY > 0 saves a persistent checkpoint into OUT/ckpt every that many steps.
 """
@@ -14,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 
@@ -40,7 +42,8 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
     ds["hotspare"] = {
         "events_dir": os.path.join(out, "events"),
         "mirror": {"chunk_mb": 0.01, "timeout_s": 20.0},
-        "recovery": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "collective_timeout_s": 30.0,
+        "recovery": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0,
+                     "collective_timeout_s": float(os.environ.get("HS_TEST_COLLECTIVE_TIMEOUT_S", "30")),
                      "rendezvous_timeout_s": 60.0},
     }
     if ckpt_every:
@@ -52,10 +55,11 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
         r, s, m, phase = spec.split(":")
         faults[(int(r), int(s), int(m))] = phase
     losses: dict[int, str] = {}
+    transient_done: list = []
 
     def fault(step: int, micro: int) -> str:
         # Only the process that started as the rank dies; a spare that takes it does not.
-        return faults.get((rank, step, micro), "") if wid == f"a{rank}" else ""
+        return faults.get((rank, step, micro), "") if wid == f"a{rank}" and not transient_done else ""
 
     @session.resilient
     def train_step(step: int):
@@ -67,6 +71,12 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
                 die()
             if phase == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)  # hung: its launcher sees no heartbeat and kills it
+            if phase == "wedge":
+                while True:  # stuck outside any collective; the heartbeat thread keeps beating
+                    time.sleep(0.05)
+            if phase == "transient" and not transient_done:
+                transient_done.append(1)
+                raise RuntimeError("Timed out waiting 1000ms for recv operation to complete (injected)")
             if phase == "backward":
                 # Dies when the gradient reaches the first block's output: the buckets of the
                 # layers after it are reduced already, the rest not.

@@ -9,8 +9,11 @@ DeepSpeed upgrade that moves them):
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import functools
+import json
 import os
 import random
 import sys
@@ -30,7 +33,7 @@ from ..generation import Generation, join, leave, store_from_env
 from ..mirror import Mirror
 from ..placement import place
 from ..planning import NoConsistentVersion, choose_version
-from ..recovery import RecoveryError, exchange_holdings, fetch, is_distributed_error
+from ..recovery import RecoveryError, exchange_holdings, fetch, is_distributed_error, is_timeout
 from ..snapshot import Layout, read_meta
 from ..sockets import abort_nccl, break_connections
 from ..transport import GlooTransport
@@ -144,7 +147,7 @@ class Session:
         t0 = time.monotonic()
         failed_at = self.engine.global_steps
         self.events("failure_seen", version=failed_at, error=str(error)[:500],
-                    error_type=type(error).__name__)
+                    error_type=type(error).__name__, timed_out=is_timeout(error))
         _log(f"rank {self.generation.rank}: failure seen at step {self.engine.global_steps}: "
              f"{type(error).__name__}: {str(error)[:200]}")
         retained = self.mirror
@@ -152,6 +155,12 @@ class Session:
         # Make sure every survivor leaves the old generation now, not at its collective timeout.
         abort_nccl([r.group for r in records])
         broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+        # Tell the coordinator at once: a failure no launcher saw (a peer stuck while it keeps
+        # beating) is found from which workers do not say this.
+        timed_out = is_timeout(error)
+        control.append(self.store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(control.Waiting(
+            worker=worker_id(), rank=self.generation.rank, generation=self.generation.index, timed_out=timed_out,
+            waited_s=cfg.collective_timeout_s if timed_out else 0.0))))
         if retained is not None:
             retained.stop()
         if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
@@ -409,9 +418,12 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         if hs_config is not None and hs_config.enabled and hs_config.recovery.enabled:
             heartbeat = _heartbeat(hs_config, store)
     deepspeed.init_distributed(dist_backend=backend)
-    engine, opt, loader, sched = deepspeed.initialize(
-        model=model, config=ds_config, model_parameters=model_parameters, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, training_data=training_data, **kwargs)
+    # DeepSpeed creates its groups without a timeout (torch's default: 30 min for gloo, 10 for
+    # NCCL); they get the job's collective timeout, the backstop that finds a stuck peer.
+    with default_group_timeout(collective_timeout_s):
+        engine, opt, loader, sched = deepspeed.initialize(
+            model=model, config=ds_config, model_parameters=model_parameters, optimizer=optimizer,
+            lr_scheduler=lr_scheduler, training_data=training_data, **kwargs)
     if engine.zero_optimization_stage() not in (1, 2, 3):
         raise ValueError(f"zero_optimization.stage={engine.zero_optimization_stage()}: hotspare needs ZeRO stage "
                          f"1, 2 or 3 (each rank's unique state is its ZeRO partition)")
@@ -434,6 +446,28 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
     elif gen.world_size > 1:
         session._start_mirror(*session._hotspare_groups())
     return session
+
+
+@contextlib.contextmanager
+def default_group_timeout(seconds: float):
+    """Within the block, a process group created without a timeout gets ``seconds``.
+
+    torch reads ``distributed_c10d.default_pg_timeout`` (``default_pg_nccl_timeout`` for NCCL)
+    when ``new_group`` is given none (pinned by tests/test_recovery_pieces.py).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=seconds)
+    saved = {name: getattr(c10d, name) for name in ("default_pg_timeout", "default_pg_nccl_timeout")
+             if hasattr(c10d, name)}
+    for name, value in saved.items():
+        if isinstance(value, datetime.timedelta):
+            setattr(c10d, name, timeout)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(c10d, name, value)
 
 
 # Modules deepspeed.initialize imports lazily, on its first call. A spare imports them while
