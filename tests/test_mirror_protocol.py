@@ -263,3 +263,65 @@ def test_layout_is_aligned_and_stable():
     assert all(s.offset % 64 == 0 for s in layout.segments)
     assert Layout.of(make_state(3, 9)).id == layout.id and layout.matches(make_state(2, 2))
     assert Layout.of(make_state(0, 1, numel=10)).id != layout.id
+
+
+def test_the_copy_before_the_committed_one_stays_until_a_round_writes_over_it():
+    """Two ranks that die together may have their copies at different versions (G and G+1): the
+    holder of the one at G+1 must still have G. It does, until the next round starts to write."""
+    fabric, holders, mirrors = build(n=2, chunk_bytes=1000)
+    m0, m1 = mirrors
+    states = {(r, v): make_state(r, v) for r in (0, 1) for v in (1, 2, 3)}
+
+    def rank_loop(r):
+        for v in (1, 2, 3):
+            mirrors[r].on_step(v, lambda: states[(r, v)], dict)
+        mirrors[r].flush()
+
+    def held_digest(m, src, v):
+        header, buf = m.held_copy(src, v)
+        assert header.version == v
+        return hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes()
+                                       for t in m.layout.views(buf))).hexdigest()
+
+    try:
+        run_ranks(2, rank_loop)
+        for m in mirrors:
+            m.stop()
+        assert m1.holdings()[1] == {0: frozenset({2, 3})}
+        assert held_digest(m1, 0, 2) == digest(states[(0, 2)])
+        assert held_digest(m1, 0, 3) == digest(states[(0, 3)])
+        with pytest.raises(MirrorError, match="holds no copy of rank 0 at version 1 \\(it holds \\[2, 3\\]\\)"):
+            m1.held_copy(0, 1)
+    finally:
+        for m in mirrors:
+            m.close()
+
+    # A round that started writing into the spare buffer invalidates the version it held.
+    fabric, holders, mirrors = build(n=2, chunk_bytes=1000)
+    m0, m1 = mirrors
+    real_send = m0.transport.send
+    sent = {"n": 0}
+
+    def rank_loop2(r):
+        for v in (1, 2):
+            mirrors[r].on_step(v, lambda: make_state(r, v), dict)
+        mirrors[r].flush()
+        if r == 0:
+            def dying_send(tensor, dst, tag):
+                sent["n"] += 1
+                if sent["n"] == 4:
+                    fabric.cut(0)
+                return real_send(tensor, dst, tag)
+
+            m0.transport.send = dying_send
+        mirrors[r].on_step(3, lambda: make_state(r, 3), dict)
+        with pytest.raises(MirrorError):
+            mirrors[r].flush(timeout_s=10)
+
+    try:
+        run_ranks(2, rank_loop2)
+        m1.stop()
+        assert m1.holdings()[1] == {0: frozenset({2})}
+    finally:
+        for m in mirrors:
+            m.close()

@@ -110,3 +110,16 @@ def test_split_rejects_bad_input():
         split_load(10, [], [])
     with pytest.raises(ValueError, match="2 holders but 1 rates"):
         split_load(10, [1, 2], [1.0])
+
+
+def test_two_dead_ranks_with_copies_at_different_versions_land_on_the_older():
+    """Rank 0's copy committed version 2 before it died, rank 1's only version 1 (its round of 2
+    was cut): the holder of rank 0 still has version 1 too, so the plan lands on 1."""
+    h = [Holdings(), Holdings(), Holdings(own=frozenset({1, 2}), held={0: frozenset({1, 2})}),
+         Holdings(own=frozenset({1, 2}), held={1: 1})]
+    plan = choose_version(h, new_ranks=[0, 1])
+    assert plan.version == 1 and plan.sources == {0: (2,), 1: (3,), 2: (SELF,), 3: (SELF,)}
+    # Without the older copy there is no common version.
+    h[2] = Holdings(own=frozenset({1, 2}), held={0: 2})
+    with pytest.raises(NoConsistentVersion):
+        choose_version(h, new_ranks=[0, 1])

@@ -171,3 +171,18 @@ def test_a_transient_fault_with_nobody_dead_rebuilds_with_the_same_workers(tmp_p
     for r in got.values():
         (rec,) = r["recoveries"]
         assert rec["replaced"] == {} and rec["failures"] == [] and rec["version"] == 3
+
+
+def test_a_second_failure_while_the_first_recovery_forms_supersedes_it(tmp_path, tmp_path_factory, no_leaks):
+    """Rank 1 dies before step 2; while generation 1 forms, rank 0 dies as it arrives. The
+    coordinator plans generation 2 (rank 0 -> another spare), everyone waiting for generation 1
+    moves on to it, the spare promoted in generation 1 is restored there, and training finishes
+    bitwise identical."""
+    ref = reference(tmp_path_factory, 2, 1)
+    code, got = run(tmp_path / "out", 2, kill="1:2:0:forward,0:0:0:join")
+    assert code == 0
+    assert got[0]["spare"] and got[1]["spare"]
+    assert_bitwise(ref, got, {0: 1, 1: 1, 2: 1, 3: 1})
+    assert {rec["generation"] for r in got.values() for rec in r["recoveries"]} == {2}
+    kinds = [e["kind"] for e in events(tmp_path / "out")]
+    assert "retry" in kinds

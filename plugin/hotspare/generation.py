@@ -48,12 +48,28 @@ def store_from_env() -> dist.TCPStore:
 ARRIVAL_POLL_S = 0.02
 
 
+class Superseded(RuntimeError):
+    """A newer plan exists: a member failed while this generation formed; join ``generation``."""
+
+    def __init__(self, old: int, generation: int):
+        super().__init__(f"generation {old} was superseded by generation {generation} before it formed "
+                         f"(a member failed while joining)")
+        self.generation = generation
+
+
 def arrive(store: dist.Store, gen: Generation, timeout_s: float) -> None:
-    """Wait until every member of ``gen`` has arrived (polled from Python; see :func:`join`)."""
+    """Wait until every member of ``gen`` has arrived (polled from Python; see :func:`join`).
+
+    Raises :class:`Superseded` when the coordinator's plan for the next generation appears
+    first: a member died before it arrived, and waiting for it would wait for the timeout.
+    """
     store.set(f"{gen.prefix}arrived/{gen.rank}", "1")
     keys = [f"{gen.prefix}arrived/{r}" for r in range(gen.world_size)]
+    newer = f"plan/{gen.index + 1}"
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
+        if store.check([newer]):
+            raise Superseded(gen.index, gen.index + 1)
         if time.monotonic() > deadline:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise TimeoutError(f"generation {gen.index}: rank(s) {missing} did not arrive within {timeout_s:.0f} s "

@@ -56,8 +56,9 @@ class LaunchSpec:
     """How long workers wait to reach the store; also the store's own timeout."""
     term_grace_s: float = 10.0
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
-    settle_s: float = 0.2
-    """After a failure, how long the coordinator waits for further failures before it plans."""
+    settle_s: float = 0.05
+    """After a failure, how long the coordinator waits for further failures before it plans (a
+    failure after the plan is handled too: the generation being formed is superseded)."""
     stall_grace_s: float = 5.0
     """After a survivor reports a failure no launcher saw, how long every other active worker
     has to report it too; one that does not is stuck (alive, beating, not in the collective)
@@ -317,6 +318,10 @@ class Launcher:
             self._fail_read += 1
             failure = control.Failure(**json.loads(text))
             self._spares = [s for s in self._spares if s[0] != failure.worker]
+            if failure.rank < 0:
+                # A spare that died after the plan promoted it but before its launcher saw the plan.
+                rank = self._current_plan().rank_of(failure.worker)
+                failure = dataclasses.replace(failure, rank=-1 if rank is None else rank)
             if failure.rank >= 0:
                 if not self._pending:
                     self._pending_since = time.monotonic()

@@ -9,12 +9,14 @@ globally committed version; the training thread waits only if the previous round
 With ``'skip'`` that all-reduce runs at each step boundary on the training thread instead, so
 that all ranks skip the same versions. Lock-step is what makes a consistent recovery
 version exist: every rank keeps its own last two snapshots, every holder its sources' last
-committed ones, so the globally committed version G (or G+1 where it reached everybody) is
-on hand for every rank.
+two committed ones, so the globally committed version G is on hand for every rank, even when
+several ranks die at once with their copies at different versions (G for some, G+1 for
+others): round G+2 cannot start anywhere before round G+1's agreement completed everywhere.
 
 Receivers keep the last committed copy of each source while the next arrives in a second
 buffer; a copy commits (the buffers swap) only when every byte arrived and its CRC-32 matches
-the header's. Headers are int64 tensors; payloads are raw bytes. Nothing is unpickled.
+the header's. After the swap the second buffer still holds the copy committed before (the
+*previous* version) until the next round starts to write into it. Headers are int64 tensors; payloads are raw bytes. Nothing is unpickled.
 """
 from __future__ import annotations
 
@@ -68,6 +70,10 @@ class Copy:
     """The incoming transfer's header (overwritten by the next round)."""
     committed_header: Header | None = None
     """The header of the committed copy (its CRC and layout id are checked again at restore)."""
+    previous_version: int = NO_VERSION
+    """The copy committed before ``version``, still intact in ``incoming`` (NO_VERSION once a
+    round writes there)."""
+    previous_header: Header | None = None
 
 
 class Mirror:
@@ -206,20 +212,25 @@ class Mirror:
         if self.error is not None:
             raise MirrorError(f"rank {self.rank}: mirroring stopped: {self.error}") from self.error
 
-    def holdings(self) -> tuple[frozenset[int], dict[int, int]]:
-        """(versions of this rank's own snapshots, {source: committed version held}).
+    def holdings(self) -> tuple[frozenset[int], dict[int, frozenset[int]]]:
+        """(versions of this rank's own snapshots, {source: versions of its copies held}).
 
         Call after :meth:`stop`: then nothing changes under the caller.
         """
         own = frozenset(v for v in self._own_version if v != NO_VERSION)
-        return own, {s: c.version for s, c in self.copies.items() if c.version != NO_VERSION}
+        held = {s: frozenset(v for v in (c.version, c.previous_version) if v != NO_VERSION)
+                for s, c in self.copies.items()}
+        return own, {s: vs for s, vs in held.items() if vs}
 
-    def committed(self, source: int) -> tuple[Header, torch.Tensor]:
-        """The committed copy of ``source`` (header, bytes), without a copy; call after :meth:`stop`."""
+    def held_copy(self, source: int, version: int) -> tuple[Header, torch.Tensor]:
+        """The copy of ``source`` at ``version`` (header, bytes), without a copy; call after :meth:`stop`."""
         copy = self.copies[source]
-        if copy.committed is None or copy.committed_header is None:
-            raise MirrorError(f"rank {self.rank} holds no committed copy of rank {source}")
-        return copy.committed_header, copy.committed
+        if copy.committed is not None and copy.committed_header is not None and copy.version == version:
+            return copy.committed_header, copy.committed
+        if copy.incoming is not None and copy.previous_header is not None and copy.previous_version == version:
+            return copy.previous_header, copy.incoming
+        raise MirrorError(f"rank {self.rank} holds no copy of rank {source} at version {version} (it holds "
+                          f"{sorted(v for v in (copy.version, copy.previous_version) if v != NO_VERSION)})")
 
     def stop(self, join_s: float = 5.0) -> bool:
         """Freeze what this rank holds (a failure happened): no copy commits after this returns.
@@ -293,6 +304,10 @@ class Mirror:
             copy.incoming = torch.zeros(h.nbytes, dtype=torch.uint8)
             if copy.committed is not None and copy.committed.numel() != h.nbytes:
                 copy.committed, copy.version = None, NO_VERSION
+        with self._commit_lock:
+            if self._stop.is_set():
+                return  # frozen for a restore: the previous copy must stay intact
+            copy.previous_version, copy.previous_header = NO_VERSION, None  # its buffer is written now
         handles = [self.transport.recv(chunk, src, TAG_DATA) for chunk in self._chunks(copy.incoming)]
         for handle in handles:
             handle.wait(self.timeout_s)
@@ -306,6 +321,7 @@ class Mirror:
             if self._stop.is_set():
                 return  # frozen for a restore: what is held must not change
             copy.committed, copy.incoming = copy.incoming, copy.committed
+            copy.previous_version, copy.previous_header = copy.version, copy.committed_header
             copy.version = h.version
             copy.committed_header = h
         self.on_event("mirror_commit", source=src, version=version)

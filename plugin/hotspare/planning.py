@@ -18,10 +18,15 @@ class Holdings:
 
     own: frozenset[int] = frozenset()
     """Versions of its own unique state it still holds (empty for a spare that just joined)."""
-    held: Mapping[int, int] = field(default_factory=dict)
-    """Source rank -> committed version of that source's mirror it holds."""
+    held: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    """Source rank -> versions of that source's mirror it holds (committed, and the one before
+    while intact); a plain int stands for one version."""
     send_rate: float = 0.0
     """Measured bytes/s of its mirror sends (0 when unknown); weights the load split."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "held", {s: frozenset([v]) if isinstance(v, int) else frozenset(v)
+                                          for s, v in self.held.items()})
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,8 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
     for r, h in enumerate(holdings):
         if r not in new:
             candidates |= set(h.own)
-        candidates |= set(h.held.values())
+        for versions in h.held.values():
+            candidates |= versions
     best_missing: list[int] | None = None
     for v in sorted(candidates, reverse=True):
         sources, missing = {}, []
@@ -57,7 +63,7 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
             if r not in new and v in holdings[r].own:
                 sources[r] = (SELF,)
                 continue
-            holders = tuple(h for h in range(world) if h != r and holdings[h].held.get(r) == v)
+            holders = tuple(h for h in range(world) if h != r and v in holdings[h].held.get(r, ()))
             if holders:
                 sources[r] = holders
             else:
@@ -66,7 +72,7 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
             return RestorePlan(v, sources)
         if best_missing is None:
             best_missing = missing
-    lost = [r for r in range(world) if not any(holdings[h].held.get(r) is not None for h in range(world) if h != r)
+    lost = [r for r in range(world) if not any(holdings[h].held.get(r) for h in range(world) if h != r)
             and (r in new or not holdings[r].own)]
     if not candidates:
         detail = "no rank holds any version"

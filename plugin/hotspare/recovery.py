@@ -63,24 +63,26 @@ def exchange_holdings(group, world_size: int, mirror: Mirror | None) -> list[Hol
     """All-gather every rank's :class:`Holdings` over ``group`` (a gloo group of the new generation).
 
     ``mirror`` is this rank's mirror of the failed generation, stopped (None for a spare).
-    Encoding: [own_a, own_b, send_rate, held_0 .. held_{W-1}], -1 for none.
+    Encoding: [own_a, own_b, send_rate, then for each source s: two versions held of s], -1 for none.
     """
-    mine = torch.full((3 + world_size,), NO_VERSION, dtype=torch.int64)
+    mine = torch.full((3 + 2 * world_size,), NO_VERSION, dtype=torch.int64)
     if mirror is not None:
         own, held = mirror.holdings()
         for i, v in enumerate(sorted(own)[-2:]):
             mine[i] = v
         mine[2] = int(mirror.stats.send_rate)
-        for src, v in held.items():
+        for src, versions in held.items():
             if src < world_size:
-                mine[3 + src] = v
+                for i, v in enumerate(sorted(versions)[-2:]):
+                    mine[3 + 2 * src + i] = v
     out = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(out, mine, group=group)
     holdings = []
     for t in out:
         v = [int(x) for x in t.tolist()]
         holdings.append(Holdings(own=frozenset(x for x in v[:2] if x != NO_VERSION),
-                                 held={s: x for s, x in enumerate(v[3:]) if x != NO_VERSION},
+                                 held={s: frozenset(x for x in v[3 + 2 * s:5 + 2 * s] if x != NO_VERSION)
+                                       for s in range(world_size) if max(v[3 + 2 * s:5 + 2 * s]) != NO_VERSION},
                                  send_rate=float(max(0, v[2]))))
     return holdings
 
@@ -112,7 +114,7 @@ def fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Hol
             continue
         if rank not in holders:
             continue
-        header, buf = mirror.committed(r)
+        header, buf = mirror.held_copy(r, plan.version)
         mine = [(off, n) for h, off, n in split_load(header.nbytes, holders, rates) if h == rank]
         if header.version != plan.version:
             raise RecoveryError(f"rank {rank} holds version {header.version} of rank {r}, the plan needs "

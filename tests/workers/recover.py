@@ -3,7 +3,8 @@ hotspare-run; one rank SIGKILLs itself at a chosen (step, micro-batch, phase).
 
 Usage: recover.py STAGE OUT KILL ACCUM STEPS [CKPT_EVERY], KILL = 'none' or 'RANK:STEP:MICRO:PHASE' (or
 several joined by ','), PHASE one of forward, backward, step, mirror, hang (SIGSTOP), wedge (the training thread
-stops for good, the heartbeat goes on), transient (raise a collective timeout once; nobody dies). Each process that
+stops for good, the heartbeat goes on), transient (raise a collective timeout once; nobody dies),
+join (die while arriving in generation 1, i.e. during the first recovery; STEP is ignored). Each process that
 finishes writes OUT/<worker id>.json: the losses by step, final digests, its recoveries.
 CKPT_EVERY > 0 saves a persistent checkpoint into OUT/ckpt every that many steps.
 """
@@ -48,6 +49,18 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
     }
     if ckpt_every:
         ds["hotspare"]["checkpoint"] = {"dir": os.path.join(out, "ckpt"), "every": ckpt_every}
+    if any(spec.endswith(":join") and spec.split(":")[0] == os.environ.get("RANK") for spec in kill.split(",")) \
+            and worker_id() == f"a{os.environ.get('RANK')}":
+        import hotspare.integrations.deepspeed as integration
+
+        real_join = integration.join
+
+        def join_or_die(store, gen, *args, **kw):
+            if gen.index == 1:
+                die()  # a second failure while the first recovery's generation forms
+            return real_join(store, gen, *args, **kw)
+
+        integration.join = join_or_die
     session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
     engine, rank, wid = session.engine, session.generation.rank, worker_id()
     faults = {}

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .. import checkpoint, control, env, rebuild
 from ..config import ConfigError, HotspareConfig, split_deepspeed_config
 from ..events import EventLog
-from ..generation import Generation, join, leave, store_from_env
+from ..generation import Generation, Superseded, join, leave, store_from_env
 from ..mirror import Mirror
 from ..placement import place
 from ..planning import NoConsistentVersion, choose_version
@@ -98,6 +98,7 @@ class Session:
     checkpoints: Any = None
     """The background checkpoint engine (None when ``hotspare.checkpoint`` is off)."""
     backend: str = "gloo"
+    _repointed: list | None = None
 
     # ---- the training-loop API ---------------------------------------------------------------
 
@@ -155,12 +156,7 @@ class Session:
         # Make sure every survivor leaves the old generation now, not at its collective timeout.
         abort_nccl([r.group for r in records])
         broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
-        # Tell the coordinator at once: a failure no launcher saw (a peer stuck while it keeps
-        # beating) is found from which workers do not say this.
-        timed_out = is_timeout(error)
-        control.append(self.store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(control.Waiting(
-            worker=worker_id(), rank=self.generation.rank, generation=self.generation.index, timed_out=timed_out,
-            waited_s=cfg.collective_timeout_s if timed_out else 0.0))))
+        self._report_waiting(self.generation.index, error)
         if retained is not None:
             retained.stop()
         if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
@@ -169,13 +165,59 @@ class Session:
         self.events("left", connections_broken=broken, seconds=time.monotonic() - t0)
         self.groups = ()
         leave()  # every group of the failed generation
-        plan = wait_for_plan(self.store, self.generation.index + 1, cfg.rendezvous_timeout_s)
-        t_plan = time.monotonic()
-        self.events("plan", generation=plan.generation, replaced=plan.replaced, failures=plan.failures,
-                    wait_s=t_plan - t0)
-        if plan.abort:
-            raise RecoveryError(f"the job cannot recover: {plan.abort}") from error
-        self._take_part(plan, records, retained, {"failed_at": failed_at, "plan_s": t_plan - t0}, t0)
+        self._land(None, self.generation.index + 1, records, retained, {"failed_at": failed_at}, t0, error)
+
+    def _land(self, plan, generation: int, records, retained: Mirror | None, phases: dict, t0: float,
+              error: BaseException | None = None) -> None:
+        """Take part in ``plan`` (or wait for the plan of ``generation``). When a member fails while
+        the new generation forms, leave it and go on with the coordinator's next plan."""
+        cfg = self.config.recovery
+        while True:
+            if plan is None:
+                plan = wait_for_plan(self.store, generation, cfg.rendezvous_timeout_s)
+                phases.setdefault("plan_s", time.monotonic() - t0)
+                self.events("plan", generation=plan.generation, replaced=plan.replaced, failures=plan.failures,
+                            wait_s=time.monotonic() - t0)
+                if plan.abort:
+                    raise RecoveryError(f"the job cannot recover: {plan.abort}") from error
+            self._repointed = None
+            try:
+                self._take_part(plan, records, retained, phases, t0)
+                return
+            except Superseded as exc:
+                generation = exc.generation
+            except Exception as exc:  # noqa: BLE001 - classified here
+                if not is_distributed_error(exc) or not dist.is_initialized():
+                    raise  # a bug, or a member that never arrived (the error names it)
+                generation = plan.generation + 1
+                records = self._abandon(plan, records, exc)
+            self.events("retry", generation=generation, failed_generation=plan.generation)
+            _log(f"rank {self.generation.rank}: generation {plan.generation} failed while it formed; "
+                 f"joining generation {generation}")
+            plan = None
+
+    def _abandon(self, plan, records, error: BaseException) -> list:
+        """Leave a generation that failed while it formed, as :meth:`recover` leaves a failed one."""
+        current = self._repointed or records  # the engine points at this attempt's groups once re-pointed
+        if dist.is_initialized():
+            abort_nccl([r.group for r in current])
+        break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+        if self.mirror is not None:  # a mirror this attempt had started
+            self.mirror.stop()
+            self.mirror.transport.close()
+            self.mirror = None
+        self._report_waiting(plan.generation, error)
+        self.groups = ()
+        leave()
+        return current
+
+    def _report_waiting(self, generation: int, error: BaseException) -> None:
+        # Tell the coordinator at once: a failure no launcher saw (a peer stuck while it keeps
+        # beating) is found from which workers do not say this.
+        timed_out = is_timeout(error)
+        control.append(self.store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(control.Waiting(
+            worker=worker_id(), rank=self.generation.rank, generation=generation, timed_out=timed_out,
+            waited_s=self.config.recovery.collective_timeout_s if timed_out else 0.0))))
 
     def _take_part(self, plan, records, retained: Mirror | None, phases: dict, t0: float) -> None:
         """Join ``plan``'s generation, rebuild every group, restore, restart mirroring (survivor or spare)."""
@@ -192,13 +234,16 @@ class Session:
         rebuild.check_signature(records, gen.world_size)
         mapping = rebuild.create_groups(records, cfg.recovery.collective_timeout_s, backend=self.backend)
         rebuild.repoint(self.roots(), mapping)
+        self._repointed = [dataclasses.replace(r, group=mapping[id(r.group)]) for r in records]
         data_group, control_group = self._hotspare_groups()
         phases["rebuild_s"] = time.monotonic() - t1
         self.events("rebuild", groups=len(records), seconds=phases["rebuild_s"])
 
         t2 = time.monotonic()
         holdings = exchange_holdings(control_group, gen.world_size, retained)
-        new_ranks = sorted(int(r) for r in plan.replaced)
+        # A spare that took a rank in a generation that failed while it formed is not in this
+        # plan's ``replaced``, but it holds no state of its own either.
+        new_ranks = sorted({int(r) for r in plan.replaced} | {r for r, h in enumerate(holdings) if not h.own})
         try:
             target = choose_version(holdings, new_ranks)
         except NoConsistentVersion as exc:
@@ -442,7 +487,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         records = rebuild.find_groups(session.roots())
         leave()  # the fake group
         session.events("takeover", generation=plan.generation, replaced=plan.replaced)
-        session._take_part(plan, records, None, {"engine_build_s": time.monotonic() - t_order}, t_order)
+        session._land(plan, plan.generation, records, None, {"engine_build_s": time.monotonic() - t_order}, t_order)
     elif gen.world_size > 1:
         session._start_mirror(*session._hotspare_groups())
     return session
