@@ -6,7 +6,7 @@ After the coordinator's plan for generation g+1 is out and every member has join
 1. :func:`exchange_holdings`: one all-gather of what each rank holds (its own snapshots'
    versions, its held copies' versions, its measured send rate) as int64, so that every rank
    computes the same :class:`~hotspare.planning.RestorePlan` with no one sending it;
-2. :func:`fetch`: a rank a spare took receives its landing version's bytes from the holders
+2. :func:`start_fetch`: a rank a spare took receives its landing version's bytes from the holders
    of its mirror, split across them by :func:`~hotspare.planning.split_load`; the header
    (version, source, layout id, CRC-32) is checked before the bytes are used;
 3. the host integration restores from those bytes (survivors: from their own snapshot of
@@ -87,20 +87,43 @@ def exchange_holdings(group, world_size: int, mirror: Mirror | None) -> list[Hol
     return holdings
 
 
-def fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Holdings], mirror: Mirror | None,
-          layout_for: Callable[[int], Layout | None], group,
-          timeout_s: float) -> tuple[tuple[torch.Tensor, Layout] | None, dict]:
-    """Move the landing version's bytes to every rank a spare took.
+class PendingFetch:
+    """A restore transfer in flight (see :func:`start_fetch`); :meth:`wait` completes it."""
 
-    Returns ((bytes, layout) on a rank a spare took, else None; stats). Every rank runs this
-    with the same arguments (the plan is computed everywhere): holders send their share of
-    each new rank's committed copy, new ranks receive. ``layout_for(layout_id)`` gives the
-    receiving engine's layout with that id (None: it has none). The split needs the byte
-    count on every rank: the first holder's header carries it, and every holder knows it.
+    def __init__(self, handles, received, stats, t0: float, timeout_s: float):
+        self._handles, self._received, self.stats = handles, received, stats
+        self._t0, self._timeout_s = t0, timeout_s
+
+    def wait(self) -> tuple[tuple[torch.Tensor, Layout] | None, dict]:
+        """Wait for every byte; returns ((bytes, layout) on a rank a spare took, else None; stats)."""
+        for handle in self._handles:
+            handle.wait(self._timeout_s)
+        if self._received is not None:
+            r, holders, header, buf, layout = self._received
+            # Only the first holder's header is checked; the CRC-32 over the assembled bytes
+            # catches a share from any holder whose copy differs.
+            if crc32(buf) != header.crc32:
+                raise RecoveryError(f"rank {r}: the restored state fails its CRC-32 check (holders "
+                                    f"{list(holders)}); it is not used")
+            self._received = (buf, layout)
+        self.stats["transfer_s"] = time.perf_counter() - self._t0
+        return self._received, self.stats
+
+
+def start_fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Holdings], mirror: Mirror | None,
+                layout_for: Callable[[int], Layout | None], group, timeout_s: float) -> PendingFetch:
+    """Start moving the landing version's bytes to every rank a spare took; returns at once with
+    the bytes in flight (what the caller does next, building the host's groups, overlaps them).
+
+    Every rank runs this with the same arguments (the plan is computed everywhere): holders
+    send their share of each new rank's copy of ``plan.version``, new ranks receive.
+    ``layout_for(layout_id)`` gives the receiving engine's layout with that id (None: it has
+    none). The split needs the byte count on every rank: the first holder's header carries it
+    (the receiver waits for that header here), and every holder knows it.
     """
     t0 = time.perf_counter()
     transport = GlooTransport(group, rank)
-    sends, received = [], None
+    handles, received = [], None
     stats = {"bytes_in": 0, "bytes_out": 0, "sources": []}
     for r in sorted(new_ranks):
         holders = plan.sources[r]
@@ -108,31 +131,27 @@ def fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Hol
             raise RecoveryError(f"rank {r} was taken by a spare but the plan restores it from itself")
         rates = [holdings[h].send_rate for h in holders]
         if rank == r:
-            received = _receive(r, plan.version, holders, rates, layout_for, transport, timeout_s)
-            stats["bytes_in"] = received[1].nbytes
+            header, buf, layout, recvs = _start_receive(r, plan.version, holders, rates, layout_for, transport,
+                                                        timeout_s)
+            handles += recvs
+            received = (r, holders, header, buf, layout)
+            stats["bytes_in"] = layout.nbytes
             stats["sources"] = list(holders)
             continue
         if rank not in holders:
             continue
         header, buf = mirror.held_copy(r, plan.version)
         mine = [(off, n) for h, off, n in split_load(header.nbytes, holders, rates) if h == rank]
-        if header.version != plan.version:
-            raise RecoveryError(f"rank {rank} holds version {header.version} of rank {r}, the plan needs "
-                                f"{plan.version}")
         if holders[0] == rank:
-            sends.append(transport.send(header.to_tensor(torch.zeros(HEADER_LEN, dtype=torch.int64)), r,
-                                        TAG_RESTORE_HEADER))
+            handles.append(transport.send(header.to_tensor(torch.zeros(HEADER_LEN, dtype=torch.int64)), r,
+                                          TAG_RESTORE_HEADER))
         for off, n in mine:
-            sends.append(transport.send(buf[off:off + n], r, TAG_RESTORE_DATA))
+            handles.append(transport.send(buf[off:off + n], r, TAG_RESTORE_DATA))
             stats["bytes_out"] += n
-    for handle in sends:
-        handle.wait(timeout_s)
-    stats["transfer_s"] = time.perf_counter() - t0
-    return received, stats
+    return PendingFetch(handles, received, stats, t0, timeout_s)
 
 
-def _receive(r: int, version: int, holders, rates, layout_for, transport: GlooTransport,
-             timeout_s: float) -> tuple[torch.Tensor, Layout]:
+def _start_receive(r: int, version: int, holders, rates, layout_for, transport: GlooTransport, timeout_s: float):
     first = holders[0]
     header_t = torch.zeros(HEADER_LEN, dtype=torch.int64)
     transport.recv(header_t, first, TAG_RESTORE_HEADER).wait(timeout_s)
@@ -145,13 +164,7 @@ def _receive(r: int, version: int, holders, rates, layout_for, transport: GlooTr
         raise RecoveryError(f"rank {r}: the mirrored state's layout ({h.nbytes} bytes, id {h.layout_id:x}) is not "
                             f"one of this engine's; is the spare running the same script, model and config as "
                             f"the job?")
-    ranges = split_load(h.nbytes, holders, rates)
     buf = layout.allocate()
-    # Only the first holder's header is checked; the CRC-32 over the assembled bytes catches a
-    # share from any holder whose copy differs.
-    for handle in [transport.recv(buf[off:off + n], src, TAG_RESTORE_DATA) for src, off, n in ranges]:
-        handle.wait(timeout_s)
-    if crc32(buf) != h.crc32:
-        raise RecoveryError(f"rank {r}: the restored state fails its CRC-32 check (holders {list(holders)}); "
-                            f"it is not used")
-    return buf, layout
+    recvs = [transport.recv(buf[off:off + n], src, TAG_RESTORE_DATA) for src, off, n in split_load(h.nbytes, holders,
+                                                                                                     rates)]
+    return h, buf, layout, recvs

@@ -33,7 +33,7 @@ from ..generation import Generation, Superseded, join, leave, store_from_env
 from ..mirror import Mirror
 from ..placement import place
 from ..planning import NoConsistentVersion, choose_version
-from ..recovery import RecoveryError, exchange_holdings, fetch, is_distributed_error, is_timeout
+from ..recovery import RecoveryError, exchange_holdings, is_distributed_error, is_timeout, start_fetch
 from ..snapshot import Layout, read_meta
 from ..sockets import abort_nccl, break_connections
 from ..transport import GlooTransport
@@ -232,25 +232,35 @@ class Session:
         if self.events is not None:
             self.events.generation = gen.index
         rebuild.check_signature(records, gen.world_size)
-        mapping = rebuild.create_groups(records, cfg.recovery.collective_timeout_s, backend=self.backend)
-        rebuild.repoint(self.roots(), mapping)
-        self._repointed = [dataclasses.replace(r, group=mapping[id(r.group)]) for r in records]
+        # hotspare's own groups first: the state transfer starts on them and its bytes move while
+        # DeepSpeed's groups are built.
         data_group, control_group = self._hotspare_groups()
-        phases["rebuild_s"] = time.monotonic() - t1
-        self.events("rebuild", groups=len(records), seconds=phases["rebuild_s"])
-
-        t2 = time.monotonic()
         holdings = exchange_holdings(control_group, gen.world_size, retained)
         # A spare that took a rank in a generation that failed while it formed is not in this
         # plan's ``replaced``, but it holds no state of its own either.
         new_ranks = sorted({int(r) for r in plan.replaced} | {r for r, h in enumerate(holdings) if not h.own})
+        pending = target = lost = None
         try:
             target = choose_version(holdings, new_ranks)
         except NoConsistentVersion as exc:
-            version, detail = self._fall_back(exc, control_group)
+            lost = exc
+        else:
+            pending = start_fetch(target, rank, new_ranks, holdings, retained, self.state.layout_for, data_group,
+                                  cfg.mirror.timeout_s)
+        t_groups = time.monotonic()
+        mapping = rebuild.create_groups(records, cfg.recovery.collective_timeout_s, backend=self.backend)
+        rebuild.repoint(self.roots(), mapping)
+        self._repointed = [dataclasses.replace(r, group=mapping[id(r.group)]) for r in records]
+        phases["rebuild_s"] = time.monotonic() - t1
+        self.events("rebuild", groups=len(records), seconds=phases["rebuild_s"],
+                    host_groups_s=time.monotonic() - t_groups)
+
+        t2 = time.monotonic()
+        if lost is not None:
+            version, detail = self._fall_back(lost, control_group)
             phases["fallback"] = detail["checkpoint"]
         else:
-            version, detail = self._restore_from_memory(target, new_ranks, holdings, retained, data_group)
+            version, detail = self._restore_from_memory(target, pending, retained)
         layout = Layout.of(self.state.tensors())
         _agree_on(control_group, [version, self.engine.global_steps, layout.id & 0xFFFFFFFF])
         phases["restore_s"] = time.monotonic() - t2
@@ -268,11 +278,11 @@ class Session:
         _log(f"rank {rank}: generation {gen.index} resumes at step {version} "
              f"({', '.join(f'{k} {v:.3f}' for k, v in phases.items() if k.endswith('_s'))})")
 
-    def _restore_from_memory(self, target, new_ranks, holdings, retained, data_group) -> tuple[int, dict]:
-        """Land on ``target``: this rank's own snapshot, or its bytes from the holders of its mirror."""
+    def _restore_from_memory(self, target, pending, retained) -> tuple[int, dict]:
+        """Land on ``target``: this rank's own snapshot, or its bytes from the holders of its mirror
+        (``pending``: the transfer started before the host's groups were built)."""
         rank = self.generation.rank
-        received, moved = fetch(target, rank, new_ranks, holdings, retained, self.state.layout_for, data_group,
-                                self.config.mirror.timeout_s)
+        received, moved = pending.wait()
         if received is not None:
             buf, layout = received
         else:
