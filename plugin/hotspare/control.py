@@ -11,6 +11,9 @@ Keys:
 - ``ready/<wid>``: set by a spare once it waits for an order (imports done, model built).
 - ``hb/<wid>``: a worker's heartbeat counter; ``hb/<wid>/timeout`` its allowed silence.
 - ``plan/<g>``: the coordinator's plan for generation g (JSON, see :class:`Plan`).
+- ``prepare/<wid>``: sent to a spare as soon as a failure is reported (JSON ``{"rank",
+  "world_size", "generation"}``): build that rank's engine now; the plan that follows gives it
+  that rank (and ``order/<wid>`` follows).
 - ``order/<wid>``: a spare's takeover order: the generation it joins (the plan says as whom).
 - ``abort``: set by a worker that found the job unrecoverable (the message says what was
   lost); every launcher stops its workers and exits with ``launch.ABORT_EXIT_CODE``.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from . import control, env
 
-POLL_INTERVAL_S = 0.05
+POLL_INTERVAL_S = 0.02
 ABORT_EXIT_CODE = 3
 """Exit code when a worker found the job unrecoverable (``control.ABORT``): state was lost."""
 
@@ -138,6 +138,7 @@ class Launcher:
         self._waiting: dict[int, dict[str, control.Waiting]] = {}  # generation -> worker -> report
         self._stall_since: float | None = None
         self._killed: set[str] = set()
+        self._prepared: dict[int, str] = {}  # rank -> spare told to build its engine (coordinator)
 
     @property
     def world_size(self) -> int:
@@ -318,6 +319,7 @@ class Launcher:
             self._fail_read += 1
             failure = control.Failure(**json.loads(text))
             self._spares = [s for s in self._spares if s[0] != failure.worker]
+            self._prepared = {r: w for r, w in self._prepared.items() if w != failure.worker}
             if failure.rank < 0:
                 # A spare that died after the plan promoted it but before its launcher saw the plan.
                 rank = self._current_plan().rank_of(failure.worker)
@@ -326,6 +328,7 @@ class Launcher:
                 if not self._pending:
                     self._pending_since = time.monotonic()
                 self._pending.append(failure)
+                self._prepare(failure.rank)
         for text in control.read_list(self.store, control.WAIT_COUNT, "wait/", self._wait_read):
             self._wait_read += 1
             report = control.Waiting(**json.loads(text))
@@ -340,7 +343,11 @@ class Launcher:
         workers = dict(previous.workers)
         ready = [s for s in self._spares if self.store.check([f"ready/{s[0]}"])]
         dead = {f.rank: self._node_of_rank(f.rank) for f in failures}
-        choice = control.choose_spares(dead, ready)
+        # A spare already building its engine for a rank keeps that rank.
+        kept = {r: w for r, w in self._prepared.items() if r in dead and any(s[0] == w for s in ready)}
+        rest = control.choose_spares({r: n for r, n in dead.items() if r not in kept},
+                                     [s for s in ready if s[0] not in kept.values()])
+        choice = None if rest is None else {**kept, **rest}
         g = self.generation + 1
         if choice is None and len(self._spares) >= len(dead) and \
                 time.monotonic() - self._pending_since < self.spec.store_timeout_s:
@@ -358,6 +365,7 @@ class Launcher:
         else:
             for rank, wid in choice.items():
                 workers[str(rank)] = wid
+                self._prepared.pop(rank, None)
             self._spares = [s for s in self._spares if s[0] not in choice.values()]
             plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
                                 failures=[dataclasses.asdict(f) for f in failures])
@@ -365,6 +373,19 @@ class Launcher:
         self.store.set(f"plan/{g}", plan.to_json())
         for wid in plan.replaced.values():
             self.store.set(f"order/{wid}", str(g))
+
+    def _prepare(self, rank: int) -> None:
+        """Tell a ready spare at once which rank it will take, so that it builds that rank's engine
+        while the coordinator settles and plans (the plan then gives it that rank)."""
+        if rank in self._prepared:
+            return
+        ready = [s for s in self._spares if s[0] not in self._prepared.values() and self.store.check([f"ready/{s[0]}"])]
+        pick = control.choose_spares({rank: self._node_of_rank(rank)}, ready)
+        if pick is None:
+            return
+        self._prepared[rank] = pick[rank]
+        self.store.set(f"prepare/{pick[rank]}", json.dumps({"rank": rank, "world_size": self.world_size,
+                                                             "generation": self.generation + 1}))
 
     def _find_stalled(self) -> None:
         """Survivors left the current generation but no launcher reported a failure: a rank is stuck

@@ -4,9 +4,11 @@ See :mod:`hotspare.control` for the keys.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 from . import control, env
 from .generation import store_from_env
@@ -67,9 +69,20 @@ class Shutdown(Exception):
     """The job ended while this spare waited; the spare exits cleanly."""
 
 
-def wait_for_order(store, wid: str) -> control.Plan:
+@dataclass(frozen=True)
+class Prepare:
+    """The coordinator's early word to a spare: the rank it will take (its plan follows)."""
+
+    rank: int
+    world_size: int
+    generation: int
+
+
+def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | Prepare":
     """A spare: announce readiness, then wait (without limit) for a takeover order.
 
+    With ``prepare``, returns a :class:`Prepare` as soon as the coordinator names the rank
+    this spare will take (before the plan); call again (without) for the order itself.
     Raises :class:`Shutdown` when the job ends first. Losing the store (the launcher died)
     raises the store's error, so an orphaned spare does not wait forever.
     """
@@ -78,6 +91,8 @@ def wait_for_order(store, wid: str) -> control.Plan:
         if store.check([f"order/{wid}"]):
             g = int(store.get(f"order/{wid}"))
             return control.Plan.from_json(store.get(f"plan/{g}"))
+        if prepare and store.check([f"prepare/{wid}"]):
+            return Prepare(**json.loads(store.get(f"prepare/{wid}")))
         if store.check(["shutdown"]):
             raise Shutdown()
         time.sleep(control.STORE_POLL_S)
