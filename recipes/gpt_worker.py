@@ -117,13 +117,15 @@ def main() -> int:
                     held_digests.append([src, version, snapshot_digest(mirror.layout, buf)])
         window["steps"] += 1
         if (step + 1) % train["log_interval"] == 0 or step + 1 == train["steps"]:
-            # The window's mean loss from the per-step record: exact after a step ran twice.
+            # The window's mean loss from the per-step record: exact after a step ran twice. A spare
+            # has only the steps from where it landed: sum and count travel together.
             first = step - step % train["log_interval"]
-            window_loss = torch.tensor(sum(losses[s] for s in range(first, step + 1)), dtype=torch.float64)
+            mine = [losses[s] for s in range(first, step + 1) if s in losses]
+            window_loss = torch.tensor([sum(mine), len(mine)], dtype=torch.float64)
             dist.all_reduce(window_loss)  # inside the step: a peer lost here is recovered too
             elapsed = time.perf_counter() - window["t0"]
             if rank == 0:
-                print(f"step {step + 1:5d} | loss {window_loss.item() / (world * (step + 1 - first)):.4f} | "
+                print(f"step {step + 1:5d} | loss {window_loss[0].item() / window_loss[1].item():.4f} | "
                       f"{tokens_per_step * window['steps'] / elapsed:,.0f} tokens/s", flush=True)
             window.update(t0=time.perf_counter(), steps=0)
 

@@ -42,13 +42,13 @@ def test_two_runs_with_one_seed_are_bitwise_identical(zero, tmp_path, no_leaks):
 
 
 def test_the_recipe_recovers_a_killed_rank_bitwise(tmp_path, no_leaks):
-    """The GPT recipe's loop with a spare: rank 1 is SIGKILLed before step 6 of 12, a spare takes
+    """The GPT recipe's loop with a spare: rank 1 is SIGKILLed before step 5 of 12 (mid log window), a spare takes
     it, and every rank ends bitwise identical to the uninterrupted run (the spare's record
     starts at the step it landed on)."""
     cfg = {"train": {"steps": 12, "log_interval": 6}}
     ref = run_job(tmp_path / "ref", **cfg)
-    got = run_job(tmp_path / "hit", **cfg, parallel={"spares_per_node": 1}, fault={"rank": 1, "step": 6})
-    assert got[1]["spare"] and got[1]["first_step"] == 6 and not got[0]["spare"]
+    got = run_job(tmp_path / "hit", **cfg, parallel={"spares_per_node": 1}, fault={"rank": 1, "step": 5})
+    assert got[1]["spare"] and got[1]["first_step"] in (4, 5) and not got[0]["spare"]
     for r, (a, b) in enumerate(zip(ref, got)):
         assert b["losses_hex"] == a["losses_hex"][b["first_step"]:], f"rank {r}: losses differ after the recovery"
         assert (b["fp32_digest"], b["optimizer_digest"]) == (a["fp32_digest"], a["optimizer_digest"]), r
