@@ -65,14 +65,17 @@ def test_recipe_trains_through_a_failure_and_loss_falls(tmp_path, no_leaks):
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "summary" in proc.stdout and "tokens/s" in proc.stdout
-    assert proc.stdout.count("| loss ") == 4  # progress every 50 steps
+    # Progress every 50 steps; step 100's line comes twice when the landing step is 99 (the copy
+    # of step 100 was still in flight when rank 1 died) and step 99 runs again.
     summary = json.loads((out / "summary.json").read_text())
+    (rec,) = summary["recoveries"]
+    assert rec["version"] in (99, 100)
+    assert proc.stdout.count("| loss ") == 4 + (rec["version"] == 99)
     assert summary["steps"] == 200 and summary["num_ranks"] == 4
     assert summary["loss_first"] > 5.0 and summary["loss_last"] < summary["loss_first"] - 2.0, summary
-    (rec,) = summary["recoveries"]
-    assert rec["replaced"] == {"1": "s0.0"} and rec["version"] == 100 and rec["failures"][0]["reason"] == "exit"
+    assert rec["replaced"] == {"1": "s0.0"} and rec["failures"][0]["reason"] == "exit"
     assert all(rec["durations"][p] > 0 for p in ("detect", "plan", "rebuild", "restore", "resume")), rec
-    assert "recovery 1: rank 1 exit; rank 1 -> s0.0; resumed at step 100" in proc.stdout
+    assert f"recovery 1: rank 1 exit; rank 1 -> s0.0; resumed at step {rec['version']}" in proc.stdout
     for phase in ("detect", "plan", "rebuild", "restore", "resume", "total"):
         assert f"  {phase} " in proc.stdout
     png = (out / "timeline.png").read_bytes()

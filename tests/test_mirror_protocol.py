@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from hotspare.mirror import NO_VERSION, Mirror, MirrorError
+from hotspare.mirror import NO_VERSION, TAG_DATA, Mirror, MirrorError
 from hotspare.placement import place
 from hotspare.snapshot import Layout, read_meta
 from hotspare.transport import LocalFabric
@@ -296,24 +296,23 @@ def test_the_copy_before_the_committed_one_stays_until_a_round_writes_over_it():
         for m in mirrors:
             m.close()
 
-    # A round that started writing into the spare buffer invalidates the version it held.
+    # A round that started writing into the spare buffer invalidates the version it held: rank 0
+    # is cut off just as rank 1 posts its first receive of version 3's bytes.
     fabric, holders, mirrors = build(n=2, chunk_bytes=1000)
     m0, m1 = mirrors
-    real_send = m0.transport.send
-    sent = {"n": 0}
+    real_recv = m1.transport.recv
 
     def rank_loop2(r):
         for v in (1, 2):
             mirrors[r].on_step(v, lambda: make_state(r, v), dict)
         mirrors[r].flush()
-        if r == 0:
-            def dying_send(tensor, dst, tag):
-                sent["n"] += 1
-                if sent["n"] == 4:
+        if r == 1:
+            def recv_then_cut(tensor, src, tag):
+                if tag == TAG_DATA:
                     fabric.cut(0)
-                return real_send(tensor, dst, tag)
+                return real_recv(tensor, src, tag)
 
-            m0.transport.send = dying_send
+            m1.transport.recv = recv_then_cut
         mirrors[r].on_step(3, lambda: make_state(r, 3), dict)
         with pytest.raises(MirrorError):
             mirrors[r].flush(timeout_s=10)

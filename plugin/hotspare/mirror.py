@@ -232,18 +232,25 @@ class Mirror:
         raise MirrorError(f"rank {self.rank} holds no copy of rank {source} at version {version} (it holds "
                           f"{sorted(v for v in (copy.version, copy.previous_version) if v != NO_VERSION)})")
 
-    def stop(self, join_s: float = 5.0) -> bool:
+    def stop(self, join_s: float = 0.2) -> bool:
         """Freeze what this rank holds (a failure happened): no copy commits after this returns.
 
-        The background thread is told to stop; a round blocked on a dead peer ends when the old
-        generation's groups are destroyed. Returns whether the thread ended within ``join_s``.
-        Buffers stay, for the restore.
+        The background thread is told to stop; what it may still do changes nothing that
+        :meth:`holdings` reports (commits and the invalidation of the previous copy check the
+        stop flag under the commit lock), so the recovery need not wait for it. A round blocked
+        in a transfer ends with the transfer's error or its timeout; :meth:`join` waits for that.
+        Returns whether the thread ended within ``join_s``. Buffers stay, for the restore.
         """
         with self._commit_lock:
             self._stop.set()
         self.enabled = False
         self._rounds.put(None)
-        self._thread.join(timeout=join_s)
+        return self.join(join_s)
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background thread to end (at most ``timeout_s``, default the transfer
+        timeout plus 5 s: a blocked transfer gives up by then); returns whether it ended."""
+        self._thread.join(timeout=self.timeout_s + 5 if timeout_s is None else timeout_s)
         return not self._thread.is_alive()
 
     def close(self) -> None:
@@ -299,14 +306,14 @@ class Mirror:
         if h.magic != MAGIC or h.source != src or h.generation != self.generation or h.version != version:
             raise MirrorError(f"rank {self.rank}: bad header from rank {src} (expected generation "
                               f"{self.generation} version {version}): {h}")
-        if copy.incoming is None or copy.incoming.numel() != h.nbytes:
-            # Warm-up (or a layout change): the only allocation on this path.
-            copy.incoming = torch.zeros(h.nbytes, dtype=torch.uint8)
-            if copy.committed is not None and copy.committed.numel() != h.nbytes:
-                copy.committed, copy.version = None, NO_VERSION
         with self._commit_lock:
             if self._stop.is_set():
-                return  # frozen for a restore: the previous copy must stay intact
+                return  # frozen for a restore: what is held must stay as reported
+            if copy.incoming is None or copy.incoming.numel() != h.nbytes:
+                # Warm-up (or a layout change): the only allocation on this path.
+                copy.incoming = torch.zeros(h.nbytes, dtype=torch.uint8)
+                if copy.committed is not None and copy.committed.numel() != h.nbytes:
+                    copy.committed, copy.version = None, NO_VERSION
             copy.previous_version, copy.previous_header = NO_VERSION, None  # its buffer is written now
         handles = [self.transport.recv(chunk, src, TAG_DATA) for chunk in self._chunks(copy.incoming)]
         for handle in handles:

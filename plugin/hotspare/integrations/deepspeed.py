@@ -99,6 +99,8 @@ class Session:
     """The background checkpoint engine (None when ``hotspare.checkpoint`` is off)."""
     backend: str = "gloo"
     _repointed: list | None = None
+    _retired: list = field(default_factory=list)
+    """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
 
     # ---- the training-loop API ---------------------------------------------------------------
 
@@ -159,6 +161,7 @@ class Session:
         self._report_waiting(self.generation.index, error)
         if retained is not None:
             retained.stop()
+            self._retired.append(retained)
         if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
             _log(f"rank {self.generation.rank}: the checkpoint writer is still busy after "
                  f"{cfg.rendezvous_timeout_s} s; recovering without waiting for it")
@@ -204,6 +207,7 @@ class Session:
         break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
         if self.mirror is not None:  # a mirror this attempt had started
             self.mirror.stop()
+            self._retired.append(self.mirror)
             self.mirror.transport.close()
             self.mirror = None
         self._report_waiting(plan.generation, error)
@@ -388,6 +392,11 @@ class Session:
         if self.checkpoints is not None:
             self.checkpoints.close()
             self.checkpoints = None
+        for old in self._retired:
+            if not old.join():
+                _log(f"rank {self.generation.rank}: a mirror thread of generation {old.generation} is still blocked "
+                     f"in a transfer after {old.timeout_s + 5} s")
+        self._retired = []
         if self.heartbeat is not None:
             self.heartbeat.close()
             self.heartbeat = None

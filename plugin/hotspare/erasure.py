@@ -1,0 +1,117 @@
+"""Tier-2 erasure coding of a rank's snapshot with zfec (Leto's cross-node protection).
+
+A snapshot of ``nbytes`` is cut into k equal blocks (the last one zero-padded) and zfec adds
+m parity blocks: any k of the k+m *shares* rebuild it. Held on k+m distinct nodes
+(:func:`place_shares`), a rank's state survives the loss of any m whole nodes, its own node
+included, at (k+m)/k times its size instead of the mirror's 2x for one replica.
+
+Every share carries the CRC-32 of its bytes and the CRC-32 of the whole snapshot
+(:class:`StripeInfo`): a corrupted share is dropped before decoding and a decode that does not
+reproduce the snapshot's CRC is refused, so a bad share is never used.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import zfec
+
+
+class ErasureError(RuntimeError):
+    """Too few good shares to rebuild a snapshot; the message says which are missing or bad."""
+
+
+@dataclass(frozen=True)
+class StripeInfo:
+    """What a holder keeps next to its share: enough to check it and to decode with k of them."""
+
+    k: int
+    m: int
+    nbytes: int
+    """Bytes of the snapshot (before padding)."""
+    block: int
+    """Bytes of every share."""
+    share_crcs: tuple[int, ...]
+    """CRC-32 of each of the k+m shares, by share index."""
+    crc: int
+    """CRC-32 of the snapshot."""
+
+
+def _crc(buf) -> int:
+    return zlib.crc32(memoryview(buf).cast("B")) & 0xFFFFFFFF
+
+
+def check_km(k: int, m: int) -> None:
+    if k < 1:
+        raise ValueError(f"k={k} must be at least 1 (the data blocks a snapshot is cut into)")
+    if m < 1:
+        raise ValueError(f"m={m} must be at least 1: with no parity shares a lost node loses the state")
+    if k + m > 256:
+        raise ValueError(f"k+m={k + m} must be at most 256 (zfec's limit)")
+
+
+def encode(data, k: int, m: int) -> tuple[StripeInfo, list[bytes]]:
+    """Cut ``data`` (any buffer: bytes, a uint8 numpy array or tensor's ``.numpy()``) into k+m shares."""
+    check_km(k, m)
+    raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    nbytes = raw.size
+    block = max(1, -(-nbytes // k))
+    padded = np.zeros(k * block, dtype=np.uint8)
+    padded[:nbytes] = raw
+    blocks = tuple(padded[i * block:(i + 1) * block].tobytes() for i in range(k))
+    shares = [bytes(s) for s in zfec.Encoder(k, k + m).encode(blocks)]
+    info = StripeInfo(k, m, nbytes, block, tuple(_crc(s) for s in shares), _crc(raw))
+    return info, shares
+
+
+def decode(info: StripeInfo, shares: Mapping[int, object]) -> bytes:
+    """The snapshot from any k good shares of ``shares`` (share index -> bytes).
+
+    Shares whose CRC-32 does not match ``info`` are dropped. Raises :class:`ErasureError` when
+    fewer than k good shares remain, or when the decoded bytes fail the snapshot's CRC-32.
+    """
+    good, bad = {}, []
+    for i, share in sorted(shares.items()):
+        if not 0 <= i < info.k + info.m:
+            raise ErasureError(f"share index {i} is outside 0..{info.k + info.m - 1}")
+        if len(memoryview(share).cast("B")) != info.block or _crc(share) != info.share_crcs[i]:
+            bad.append(i)
+        else:
+            good[i] = bytes(memoryview(share).cast("B"))
+    if len(good) < info.k:
+        missing = sorted(set(range(info.k + info.m)) - set(shares))
+        raise ErasureError(f"{len(good)} good share(s), {info.k} needed (missing {missing}, failed their checksum "
+                           f"{bad}); the snapshot cannot be rebuilt from this stripe")
+    use = sorted(good)[:info.k]
+    blocks = zfec.Decoder(info.k, info.k + info.m).decode(tuple(good[i] for i in use), tuple(use))
+    out = b"".join(bytes(b) for b in blocks)[:info.nbytes]
+    if _crc(out) != info.crc:
+        raise ErasureError(f"the snapshot decoded from shares {use} fails its CRC-32; not used")
+    return out
+
+
+def place_shares(nodes: Sequence[int], k: int, m: int) -> dict[int, list[int]]:
+    """Which rank holds each of rank r's k+m shares: ``{r: [holder of share 0, ..., share k+m-1]}``.
+
+    ``nodes[r]`` is rank r's node. Share 0 stays on r's own node (on r itself: the keeper's
+    node), the others go to the next k+m-1 nodes in ring order, to the rank there with the same
+    position on its node as r on its own, so every rank holds about as many shares as it owns.
+    Raises ValueError when the job has fewer than k+m nodes (or uneven nodes).
+    """
+    check_km(k, m)
+    order = sorted(set(nodes))
+    if len(order) < k + m:
+        raise ValueError(f"k+m={k + m} shares need {k + m} distinct nodes, the job has {len(order)}: lower k or m, "
+                         f"or use the mirror for tier 2")
+    members = {n: [r for r, node in enumerate(nodes) if node == n] for n in order}
+    sizes = {len(v) for v in members.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"nodes hold different numbers of ranks ({ {n: len(v) for n, v in members.items()} }); "
+                         f"striping needs the same number of ranks on every node")
+    out = {}
+    for r, node in enumerate(nodes):
+        pos, start = members[node].index(r), order.index(node)
+        out[r] = [members[order[(start + j) % len(order)]][pos] for j in range(k + m)]
+    return out
