@@ -70,6 +70,16 @@ class Failure:
 
 
 @dataclass
+class Prepare:
+    """The coordinator's early word to a spare (``prepare/<wid>``): the rank it will take; the
+    plan of ``generation`` follows and keeps that assignment."""
+
+    rank: int
+    world_size: int
+    generation: int
+
+
+@dataclass
 class Waiting:
     """A survivor's report that it saw a failure and left its generation."""
 

@@ -341,7 +341,7 @@ class Launcher:
         failures, self._pending = self._pending, []
         previous = self._current_plan()
         workers = dict(previous.workers)
-        ready = [s for s in self._spares if self.store.check([f"ready/{s[0]}"])]
+        ready = self._ready_spares()
         dead = {f.rank: self._node_of_rank(f.rank) for f in failures}
         # A spare already building its engine for a rank keeps that rank.
         kept = {r: w for r, w in self._prepared.items() if r in dead and any(s[0] == w for s in ready)}
@@ -379,13 +379,17 @@ class Launcher:
         while the coordinator settles and plans (the plan then gives it that rank)."""
         if rank in self._prepared:
             return
-        ready = [s for s in self._spares if s[0] not in self._prepared.values() and self.store.check([f"ready/{s[0]}"])]
+        ready = [s for s in self._ready_spares() if s[0] not in self._prepared.values()]
         pick = control.choose_spares({rank: self._node_of_rank(rank)}, ready)
         if pick is None:
             return
         self._prepared[rank] = pick[rank]
-        self.store.set(f"prepare/{pick[rank]}", json.dumps({"rank": rank, "world_size": self.world_size,
-                                                             "generation": self.generation + 1}))
+        prepare = control.Prepare(rank, self.world_size, self.generation + 1)
+        self.store.set(f"prepare/{pick[rank]}", json.dumps(dataclasses.asdict(prepare)))
+
+    def _ready_spares(self) -> list[tuple[str, int]]:
+        """Registered spares that wait for an order (imports done, model built)."""
+        return [s for s in self._spares if self.store.check([f"ready/{s[0]}"])]
 
     def _find_stalled(self) -> None:
         """Survivors left the current generation but no launcher reported a failure: a rank is stuck
@@ -399,10 +403,11 @@ class Launcher:
         now = time.monotonic()
         if self._stall_since is None:
             self._stall_since = now
-        active = set(self._current_plan().workers.values())
+        workers = self._current_plan().workers
+        active = set(workers.values())
         missing = sorted(active - set(waiting) - self._killed)
         if not missing and not (active & self._killed):
-            plan = control.Plan(g + 1, self.world_size, dict(self._current_plan().workers))
+            plan = control.Plan(g + 1, self.world_size, dict(workers))
             _log(f"generation {g + 1}: every rank saw a failure and none died (a transient fault); "
                  f"rebuilding with the same workers")
             self.store.set(f"plan/{g + 1}", plan.to_json())

@@ -37,12 +37,10 @@ def recoveries(events: list[dict], faults: list[dict] = ()) -> list[dict]:
     by_gen = defaultdict(lambda: defaultdict(list))
     for e in events:
         kind = e["kind"]
-        if kind in ("failure_seen", "left", "plan"):  # logged in the old generation
-            target = e.get("generation", 0) + 1 if kind != "plan" else e.get("generation")
-            by_gen[target][kind].append(e)
-        elif kind in ("takeover", "rebuild", "restore", "resume", "fallback"):
-            gen = e["generation"] if kind != "takeover" else e.get("generation")
-            by_gen[gen][kind].append(e)
+        if kind in ("failure_seen", "left"):  # logged in the generation that failed
+            by_gen[e["generation"] + 1][kind].append(e)
+        elif kind in ("plan", "takeover", "rebuild", "restore", "resume", "fallback"):  # in the new one
+            by_gen[e["generation"]][kind].append(e)
     out = []
     for gen in sorted(g for g in by_gen if g):
         ev = by_gen[gen]

@@ -8,7 +8,6 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 from . import control, env
 from .generation import store_from_env
@@ -69,19 +68,10 @@ class Shutdown(Exception):
     """The job ended while this spare waited; the spare exits cleanly."""
 
 
-@dataclass(frozen=True)
-class Prepare:
-    """The coordinator's early word to a spare: the rank it will take (its plan follows)."""
-
-    rank: int
-    world_size: int
-    generation: int
-
-
-def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | Prepare":
+def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | control.Prepare":
     """A spare: announce readiness, then wait (without limit) for a takeover order.
 
-    With ``prepare``, returns a :class:`Prepare` as soon as the coordinator names the rank
+    With ``prepare``, returns a :class:`control.Prepare` as soon as the coordinator names the rank
     this spare will take (before the plan); call again (without) for the order itself.
     Raises :class:`Shutdown` when the job ends first. Losing the store (the launcher died)
     raises the store's error, so an orphaned spare does not wait forever.
@@ -92,7 +82,7 @@ def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | Pr
             g = int(store.get(f"order/{wid}"))
             return control.Plan.from_json(store.get(f"plan/{g}"))
         if prepare and store.check([f"prepare/{wid}"]):
-            return Prepare(**json.loads(store.get(f"prepare/{wid}")))
+            return control.Prepare(**json.loads(store.get(f"prepare/{wid}")))
         if store.check(["shutdown"]):
             raise Shutdown()
         time.sleep(control.STORE_POLL_S)

@@ -37,7 +37,7 @@ from ..recovery import RecoveryError, exchange_holdings, is_distributed_error, i
 from ..snapshot import Layout, read_meta
 from ..sockets import abort_nccl, break_connections
 from ..transport import GlooTransport
-from ..worker import Heartbeat, Prepare, Shutdown, role, wait_for_order, wait_for_plan, worker_id
+from ..worker import Heartbeat, Shutdown, role, wait_for_order, wait_for_plan, worker_id
 
 SUPPORTED_DEEPSPEED = ("0.19.",)
 
@@ -153,21 +153,13 @@ class Session:
                     error_type=type(error).__name__, timed_out=is_timeout(error))
         _log(f"rank {self.generation.rank}: failure seen at step {self.engine.global_steps}: "
              f"{type(error).__name__}: {str(error)[:200]}")
-        retained = self.mirror
+        retained = self.mirror  # frozen by _break_off; the restore reads what it holds
         records = rebuild.find_groups(self.roots())
-        # Make sure every survivor leaves the old generation now, not at its collective timeout.
-        abort_nccl([r.group for r in records])
-        broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
-        self._report_waiting(self.generation.index, error)
-        if retained is not None:
-            retained.stop()
-            self._retired.append(retained)
+        broken = self._break_off(records, self.generation.index, error)
         if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
             _log(f"rank {self.generation.rank}: the checkpoint writer is still busy after "
                  f"{cfg.rendezvous_timeout_s} s; recovering without waiting for it")
         self.events("left", connections_broken=broken, seconds=time.monotonic() - t0)
-        self.groups = ()
-        leave()  # every group of the failed generation
         self._land(None, self.generation.index + 1, records, retained, {"failed_at": failed_at}, t0, error)
 
     def _land(self, plan, generation: int, records, retained: Mirror | None, phases: dict, t0: float,
@@ -193,27 +185,29 @@ class Session:
                 if not is_distributed_error(exc) or not dist.is_initialized():
                     raise  # a bug, or a member that never arrived (the error names it)
                 generation = plan.generation + 1
-                records = self._abandon(plan, records, exc)
+                # The engine points at this attempt's groups once they were re-pointed.
+                records = self._repointed or records
+                self._break_off(records, plan.generation, exc)
             self.events("retry", generation=generation, failed_generation=plan.generation)
             _log(f"rank {self.generation.rank}: generation {plan.generation} failed while it formed; "
                  f"joining generation {generation}")
             plan = None
 
-    def _abandon(self, plan, records, error: BaseException) -> list:
-        """Leave a generation that failed while it formed, as :meth:`recover` leaves a failed one."""
-        current = self._repointed or records  # the engine points at this attempt's groups once re-pointed
+    def _break_off(self, records, generation: int, error: BaseException) -> int:
+        """Leave ``generation`` at once (a failure in it, or while it formed): abort NCCL, shut down
+        every connection but the store's (so no survivor waits out a collective timeout), tell
+        the coordinator, freeze the mirror, destroy the groups. Returns the connections broken."""
         if dist.is_initialized():
-            abort_nccl([r.group for r in current])
-        break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
-        if self.mirror is not None:  # a mirror this attempt had started
+            abort_nccl([r.group for r in records])
+        broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+        self._report_waiting(generation, error)
+        if self.mirror is not None:
             self.mirror.stop()
             self._retired.append(self.mirror)
-            self.mirror.transport.close()
             self.mirror = None
-        self._report_waiting(plan.generation, error)
         self.groups = ()
         leave()
-        return current
+        return broken
 
     def _report_waiting(self, generation: int, error: BaseException) -> None:
         # Tell the coordinator at once: a failure no launcher saw (a peer stuck while it keeps
@@ -272,7 +266,6 @@ class Session:
 
         if retained is not None:
             retained.transport.close()
-        self.mirror = None
         self._start_mirror(data_group, control_group)
         phases["total_s"] = time.monotonic() - t0
         summary = {"generation": gen.index, "version": version, "replaced": plan.replaced,
@@ -470,7 +463,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         # engine is built while it settles and plans; the order (the plan) follows.
         order = _wait_for_takeover(store, heartbeat, prepare=True)
         t_order = time.monotonic()
-        if isinstance(order, Prepare):
+        if isinstance(order, control.Prepare):
             rank, world, generation = order.rank, order.world_size, order.generation
         else:
             plan = order
@@ -744,7 +737,7 @@ class DeepSpeedState:
             raise RecoveryError(f"the checkpoint {path} was not saved by hotspare (no RNG states or data position "
                                 f"in its client state); resuming from it would not be the same run")
         self._apply(extras["meta"], extras["rng"])
-        self.resync()
+        self._derive_replicated()
 
     def _apply(self, meta: dict, views: dict) -> None:
         """Counters, param groups, scheduler, loss scaler, RNG states and data position."""
@@ -831,8 +824,12 @@ class DeepSpeedState:
     def resync(self) -> None:
         """After :meth:`restore`: drop the interrupted step's leftovers, then derive the replicated
         state (the bit16 weights) from the restored fp32 partitions. Collective (all ranks)."""
-        opt = self.engine.optimizer
         self._clear_interrupted_step()
+        self._derive_replicated()
+
+    def _derive_replicated(self) -> None:
+        """The bit16 weights from the fp32 partitions (collective)."""
+        opt = self.engine.optimizer
         if self.engine.zero_optimization_stage() in (1, 2):
             opt.update_lp_params()  # fp32 -> this rank's bit16 partition, then all-gather
         else:
