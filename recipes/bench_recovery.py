@@ -2,7 +2,11 @@
 recovered three ways, in one run.
 
 - ``hotspare``: in place: a spare takes the rank, state from the survivors' own snapshots and
-  the peers' mirrors, no process restarted but the dead one, no file read.
+  the peers' mirrors, no process restarted but the dead one, no file read (no keeper: the
+  dead rank's state crosses the network).
+- ``keeper``: the same, with the node keepers on (the default configuration): the spare on
+  the dead rank's node restores its state from the keeper's shared memory, with no network
+  transfer of that state (the events say so: ``network_bytes`` is 0).
 - ``deepspeed_restart``: what a DeepSpeed user has today: the job stops, every process is
   started again, ``load_checkpoint`` reads the newest checkpoint (saved every K steps) and the
   steps since are recomputed.
@@ -16,8 +20,8 @@ recovered three ways, in one run.
 JSON: for each way ``detect_s``, ``rebuild_s``, ``restore_s``, ``recompute_s``, ``total_s``
 (fault to the moment training is back at the progress it had when the fault struck) and
 ``lost_iterations``; top level ``speedup`` (deepspeed_restart / hotspare total),
-``speedup_vs_memory_restart`` and ``bitwise_identical`` (hotspare's run against an
-uninterrupted one). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
+``speedup_vs_memory_restart``, ``keeper_speedup`` (deepspeed_restart / keeper total) and
+``bitwise_identical`` (the in-place runs against an uninterrupted one). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_job  # noqa: E402
 from hotspare.config import ConfigError, from_mapping  # noqa: E402
 
+WAYS = ("hotspare", "keeper", "deepspeed_restart", "memory_restart")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recovery_worker.py")
 
 
@@ -56,13 +61,13 @@ class BenchRecoveryConfig(gpt_job.GPTJobConfig):
     """K: the DeepSpeed baseline saves a checkpoint every K steps."""
     checkpoint_dir: str = ""
     """Where the DeepSpeed baseline's checkpoints go; empty: under the run directory."""
-    ways: list[str] = field(default_factory=lambda: ["hotspare", "deepspeed_restart", "memory_restart"])
-    """Which ways to run: hotspare, deepspeed_restart, memory_restart."""
+    ways: list[str] = field(default_factory=lambda: list(WAYS))
+    """Which ways to run: hotspare, keeper, deepspeed_restart, memory_restart."""
 
     def __post_init__(self) -> None:
         for w in self.ways:
-            if w not in ("hotspare", "deepspeed_restart", "memory_restart"):
-                raise ConfigError(f"ways: {w!r} is not one of hotspare, deepspeed_restart, memory_restart")
+            if w not in WAYS:
+                raise ConfigError(f"ways: {w!r} is not one of {', '.join(WAYS)}")
         if not 0 < self.kill_rank < self.parallel.num_ranks:
             raise ConfigError(f"kill_rank={self.kill_rank} must be a non-zero rank below parallel.num_ranks="
                               f"{self.parallel.num_ranks}")
@@ -92,9 +97,11 @@ def _regained(ranks: list[dict], progress: int) -> float:
     return max(r["step_end"][str(progress - 1)] for r in ranks)
 
 
-def run_hotspare(job, bench, out_dir) -> tuple[dict, list[dict]]:
-    job = dataclasses.replace(job, hotspare=dataclasses.replace(job.hotspare, events_dir=os.path.join(out_dir, "events")))
-    code = gpt_job.launch(job, out_dir, worker=WORKER, spares_per_node=1, mode="hotspare",
+def run_hotspare(job, bench, out_dir, keeper: bool) -> tuple[dict, list[dict]]:
+    retain = dataclasses.replace(job.hotspare.retain, keeper=keeper)
+    job = dataclasses.replace(job, hotspare=dataclasses.replace(job.hotspare, events_dir=os.path.join(out_dir, "events"),
+                                                                retain=retain))
+    code = gpt_job.launch(job, out_dir, worker=WORKER, spares_per_node=1, keeper=keeper, mode="hotspare",
                           kill_rank=bench.kill_rank, kill_step=bench.kill_step)
     if code != 0:
         raise RuntimeError(f"the hotspare run failed (exit {code}); see its output above")
@@ -105,12 +112,15 @@ def run_hotspare(job, bench, out_dir) -> tuple[dict, list[dict]]:
     rebuild = max(e["seconds"] for e in events if e["kind"] == "rebuild")
     restore = max(e["seconds"] for e in events if e["kind"] == "restore")
     version = min(e["version"] for e in events if e["kind"] == "resume")
+    restores = [e for e in events if e["kind"] == "restore"]
     back = _regained(ranks, fault["step"]) if version < fault["step"] else resumed
     detect = min(seen) - fault["t"]
     return {"detect_s": detect, "rebuild_s": rebuild, "restore_s": restore,
             "plan_wait_s": resumed - min(seen) - rebuild - restore,
             "recompute_s": back - resumed, "total_s": back - fault["t"],
-            "lost_iterations": fault["step"] - version, "landing_step": version}, ranks
+            "lost_iterations": fault["step"] - version, "landing_step": version,
+            "network_bytes": sum(e["bytes_in"] for e in restores),
+            "sources": sorted({e["source"] for e in restores if e["source"] != "self"})}, ranks
 
 
 def run_restart(job, bench, out_dir, ckpt_dir: str, every: int) -> dict:
@@ -145,15 +155,19 @@ def main(cfg) -> None:
     job = from_mapping(gpt_job.GPTJobConfig, job_data)
     result = {"kill_rank": bench.kill_rank, "kill_step": bench.kill_step, "steps": bench.train.steps,
               "zero_stage": bench.zero.stage, "num_ranks": bench.parallel.num_ranks}
-    if "hotspare" in bench.ways:
+    in_place = [w for w in ("hotspare", "keeper") if w in bench.ways]
+    if in_place:
         ref_dir = os.path.join(run_dir, "uninterrupted")
         if gpt_job.launch(job, ref_dir, worker=WORKER, mode="hotspare") != 0:
             sys.exit("bench_recovery: the uninterrupted run failed; see its output above")
         ref = _ranks(ref_dir)
-        result["hotspare"], ranks = run_hotspare(job, bench, os.path.join(run_dir, "hotspare"))
-        result["bitwise_identical"] = len(ranks) == len(ref) and all(
-            (a["fp32_digest"], a["optimizer_digest"]) == (b["fp32_digest"], b["optimizer_digest"])
-            and all(a["losses"][k] == b["losses"][k] for k in b["losses"]) for a, b in zip(ref, ranks))
+        identical = []
+        for way in in_place:
+            result[way], ranks = run_hotspare(job, bench, os.path.join(run_dir, way), keeper=way == "keeper")
+            identical.append(len(ranks) == len(ref) and all(
+                (a["fp32_digest"], a["optimizer_digest"]) == (b["fp32_digest"], b["optimizer_digest"])
+                and all(a["losses"][k] == b["losses"][k] for k in b["losses"]) for a, b in zip(ref, ranks)))
+        result["bitwise_identical"] = all(identical)
     if "deepspeed_restart" in bench.ways:
         ckpt = bench.checkpoint_dir or os.path.join(run_dir, "checkpoints")
         result["deepspeed_restart"] = run_restart(job, bench, os.path.join(run_dir, "deepspeed_restart"), ckpt,
@@ -164,19 +178,22 @@ def main(cfg) -> None:
             result["memory_restart"] = run_restart(job, bench, os.path.join(run_dir, "memory_restart"), shm, 1)
         finally:
             shutil.rmtree(shm, ignore_errors=True)
-    if "hotspare" in result:
-        for way, key in (("deepspeed_restart", "speedup"), ("memory_restart", "speedup_vs_memory_restart")):
-            if way in result:
-                result[key] = result[way]["total_s"] / result["hotspare"]["total_s"]
+    for base, way, key in (("deepspeed_restart", "hotspare", "speedup"),
+                           ("memory_restart", "hotspare", "speedup_vs_memory_restart"),
+                           ("deepspeed_restart", "keeper", "keeper_speedup"),
+                           ("memory_restart", "keeper", "keeper_speedup_vs_memory_restart")):
+        if base in result and way in result:
+            result[key] = result[base]["total_s"] / result[way]["total_s"]
     with open(bench.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     print(f"{'way':<20}{'detect':>9}{'rebuild':>9}{'restore':>9}{'recompute':>11}{'total':>9}{'lost':>6}")
-    for way in ("hotspare", "deepspeed_restart", "memory_restart"):
+    for way in WAYS:
         if way in result:
             r = result[way]
             print(f"{way:<20}{r['detect_s']:9.2f}{r['rebuild_s']:9.2f}{r['restore_s']:9.2f}{r['recompute_s']:11.2f}"
                   f"{r['total_s']:9.2f}{r['lost_iterations']:6d}")
-    for key in ("speedup", "speedup_vs_memory_restart", "bitwise_identical"):
+    for key in ("speedup", "speedup_vs_memory_restart", "keeper_speedup", "keeper_speedup_vs_memory_restart",
+                "bitwise_identical"):
         if key in result:
             print(f"{key}: {result[key]}")
     print(f"wrote {bench.out}")

@@ -176,7 +176,7 @@ def deepspeed_config(job: GPTJobConfig) -> dict:
 
 
 def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, worker: str = WORKER,
-           spares_per_node: int | None = None, **worker_options) -> int:
+           spares_per_node: int | None = None, keeper: bool = True, **worker_options) -> int:
     """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code.
 
     ``worker_options`` go to gpt_worker.py as is: ``verify_mirror`` (record digests of every
@@ -197,7 +197,7 @@ def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, wo
         json.dump(run_cfg, f, indent=1)
     spec = LaunchSpec(script=[worker, "--config", path], nproc_per_node=job.parallel.num_ranks,
                       logical_nodes=job.parallel.logical_nodes, store_timeout_s=job.parallel.store_timeout_s,
-                      spares_per_node=spares_per_node,
+                      spares_per_node=spares_per_node, keeper=keeper,
                       extra_env={"OMP_NUM_THREADS": "1", **(extra_env or {})})
     return run(spec)
 

@@ -119,6 +119,8 @@ def test_recipe_schema_checks(tmp_path):
     ({"checkpoint": {"every": 50}}, "hotspare.checkpoint.every=50 needs checkpoint.dir"),
     ({"checkpoint": {"dir": "/ckpt"}}, "hotspare.checkpoint.dir='/ckpt' is set but checkpoint.every is 0"),
     ({"checkpoint": {"dir": "/ckpt", "every": -1}}, "hotspare.checkpoint.every=-1 must be >= 0"),
+    ({"retain": {"budget_mb": -1}}, "hotspare.retain.budget_mb=-1.0 must be >= 0"),
+    ({"retain": {"keeper": 1}}, "hotspare.retain.keeper: expected true or false"),
     ({"checkpoint": {"dir": "/ckpt", "every": 5, "keep": 0}}, "hotspare.checkpoint.keep=0 must be at least 1"),
     ({"checkpoint": {"path": "/ckpt"}}, "hotspare.checkpoint.path: unknown key"),
 ])

@@ -107,7 +107,7 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, no_leaks):
         assert time.monotonic() < deadline, "workers never started"
         time.sleep(0.05)
     descendants = psutil.Process(proc.pid).children(recursive=True)
-    assert len(descendants) == 4
+    assert len(descendants) == 5  # 2 workers, their 2 children, the node's keeper
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hotspare.control import Plan, choose_spares
-from hotspare.planning import SELF, Holdings, NoConsistentVersion, choose_version, split_load
+from hotspare.planning import KEEPER, SELF, Holdings, NoConsistentVersion, choose_version, split_load
 
 
 def test_spares_prefer_the_dead_ranks_node():
@@ -123,3 +123,28 @@ def test_two_dead_ranks_with_copies_at_different_versions_land_on_the_older():
     h[2] = Holdings(own=frozenset({1, 2}), held={0: 2})
     with pytest.raises(NoConsistentVersion):
         choose_version(h, new_ranks=[0, 1])
+
+
+def test_a_spare_on_the_dead_ranks_node_takes_the_keepers_copy_first():
+    # Rank 2's keeper holds 6 and 7; its peer copy is at 7 too: the keeper (local) wins.
+    h = ring(4, [{6, 7}] * 4, [7, 7, 7, 7])
+    h[2] = Holdings(retained=frozenset({6, 7}))
+    plan = choose_version(h, new_ranks=[2])
+    assert plan.version == 7 and plan.sources[2] == (KEEPER,)
+    # The keeper has only the version before (the trainer died inside its update of 7): the
+    # peers' copy of 7 is newer and complete, so it is used.
+    h[2] = Holdings(retained=frozenset({6}))
+    plan = choose_version(h, new_ranks=[2])
+    assert plan.version == 7 and plan.sources[2] == (3,)
+
+
+def test_the_keeper_alone_can_cover_a_rank_whose_holder_died_too():
+    # Ranks 2 and 3 die together; 3 held 2's only mirror. 2's keeper covers it, 3 comes from
+    # its own holder (rank 0); without the keeper rank 2 would be lost.
+    h = ring(4, [{6, 7}] * 4, [7, 7, 7, 7])
+    h[2], h[3] = Holdings(retained=frozenset({6, 7})), Holdings()
+    plan = choose_version(h, new_ranks=[2, 3])
+    assert plan.version == 7 and plan.sources[2] == (KEEPER,) and plan.sources[3] == (0,)
+    h[2] = Holdings()
+    with pytest.raises(NoConsistentVersion, match=r"every copy of rank\(s\) 2 is lost"):
+        choose_version(h, new_ranks=[2, 3])

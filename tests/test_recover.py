@@ -18,9 +18,9 @@ WORKERS = os.path.dirname(WORKER)
 STEPS = 6
 
 
-def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0, collective_timeout_s=30.0):
+def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0, collective_timeout_s=30.0, keeper=True):
     out.mkdir(parents=True)
-    code = launch.run(launch.LaunchSpec(
+    code = launch.run(launch.LaunchSpec(keeper=keeper,
         script=[WORKER, str(stage), str(out), kill, str(accum), str(STEPS), str(ckpt_every)], nproc_per_node=4,
         logical_nodes=2, spares_per_node=spares, stall_grace_s=2.0,
         extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": WORKERS,
@@ -109,8 +109,9 @@ def test_kill_in_the_optimizer_step_and_a_hung_rank(stage, tmp_path, tmp_path_fa
 
 def test_losing_a_rank_and_its_only_mirror_holder_stops_every_rank_with_what_was_lost(tmp_path, no_leaks):
     """Rank 1's only copy lives on rank 3 (placement {0: [2], 1: [3], 2: [1], 3: [0]}): both die in the same step. No version
-    of their state exists anywhere, so the job stops with an error saying so (no checkpoint)."""
-    code, got = run(tmp_path / "out", 2, kill="1:2:0:forward,3:2:0:forward")
+    of their state exists anywhere (no keeper: as if both nodes were lost), so the job stops with an
+    error saying so (no checkpoint)."""
+    code, got = run(tmp_path / "out", 2, kill="1:2:0:forward,3:2:0:forward", keeper=False)
     assert code == launch.ABORT_EXIT_CODE
     assert got == {}
     fallback = [e for e in events(tmp_path / "out") if e["kind"] == "fallback"]
@@ -120,11 +121,11 @@ def test_losing_a_rank_and_its_only_mirror_holder_stops_every_rank_with_what_was
 @pytest.mark.parametrize("stage", STAGES)
 def test_losing_a_rank_and_its_only_holder_falls_back_on_the_persistent_checkpoint(stage, tmp_path, tmp_path_factory,
                                                                                   no_leaks):
-    """The same double loss with a DeepSpeed checkpoint every 2 steps: every rank (two of them
-    spares) loads the newest complete one, runs the steps since again and finishes bitwise
+    """The same double loss (no keeper) with a DeepSpeed checkpoint every 2 steps: every rank (two of
+    them spares) loads the newest complete one, runs the steps since again and finishes bitwise
     identical to the uninterrupted run."""
     ref = reference(tmp_path_factory, stage, 1)
-    code, got = run(tmp_path / "out", stage, kill="1:5:0:forward,3:5:0:forward", ckpt_every=2)
+    code, got = run(tmp_path / "out", stage, kill="1:5:0:forward,3:5:0:forward", ckpt_every=2, keeper=False)
     assert code == 0
     assert got[1]["spare"] and got[3]["spare"]
     assert_bitwise(ref, got, {0: 1, 1: 1, 2: 1, 3: 1})
@@ -186,3 +187,42 @@ def test_a_second_failure_while_the_first_recovery_forms_supersedes_it(tmp_path,
     assert {rec["generation"] for r in got.values() for rec in r["recoveries"]} == {2}
     kinds = [e["kind"] for e in events(tmp_path / "out")]
     assert "retry" in kinds
+
+
+def _restores(out, generation) -> dict[int, dict]:
+    return {e["rank"]: e for e in events(out) if e["kind"] == "restore" and e["generation"] == generation}
+
+
+def test_a_trainer_killed_inside_its_keeper_update_recovers_from_the_keeper(tmp_path, tmp_path_factory, no_leaks):
+    """Rank 1 dies in the middle of writing step 2's snapshot into its keeper segment; later rank 2
+    dies after writing step 4's, before its first chunk's commit record. Each time the spare on
+    the dead rank's node takes the version its keeper holds complete (the one before), no state
+    byte crosses the network, and training finishes bitwise identical."""
+    ref = reference(tmp_path_factory, 2, 1)
+    code, got = run(tmp_path / "out", 2, kill="1:2:0:write,2:4:0:commit0")
+    assert code == 0
+    assert got[1]["worker"] == "s0.0" and got[2]["worker"] == "s1.0"
+    assert_bitwise(ref, got, {0: 2, 1: 2, 2: 1, 3: 2})
+    for generation, rank in ((1, 1), (2, 2)):
+        restores = _restores(tmp_path / "out", generation)
+        assert restores[rank]["source"] == "keeper", restores[rank]
+        assert all(r["bytes_in"] == 0 and r["bytes_out"] == 0 for r in restores.values()), restores
+        attach = [e for e in events(tmp_path / "out") if e["kind"] == "keeper_attach" and e["generation"] == generation]
+        # The update in progress never counts: the keeper offers only the version before it.
+        (a,) = attach
+        assert a["verified"] == [restores[rank]["version"]] and a["corrupt_chunks"] == {}, a
+
+
+def test_between_commit_records_and_a_corrupted_keeper_copy(tmp_path, tmp_path_factory, no_leaks):
+    """Rank 3 dies between the commit records of two chunks (recovered from its keeper, at the
+    version before); later rank 0's keeper copies are corrupted before it dies: the spare's
+    checksums reject them, and it is restored from its peers' mirror instead."""
+    ref = reference(tmp_path_factory, 2, 1)
+    code, got = run(tmp_path / "out", 2, kill="3:2:0:commit1,0:4:0:corrupt")
+    assert code == 0
+    assert_bitwise(ref, got, {0: 1, 1: 2, 2: 2, 3: 2})
+    assert _restores(tmp_path / "out", 1)[3]["source"] == "keeper"
+    second = _restores(tmp_path / "out", 2)
+    assert second[0]["source"] == "peers" and second[0]["bytes_in"] > 0, second[0]
+    (attach,) = [e for e in events(tmp_path / "out") if e["kind"] == "keeper_attach" and e["generation"] == 2]
+    assert attach["verified"] == [] and len(attach["corrupt_chunks"]) == 2, attach

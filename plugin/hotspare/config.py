@@ -127,6 +127,28 @@ class CheckpointConfig:
 
 
 @dataclass
+class RetainConfig:
+    """Retention outside the trainer process: each rank's own snapshots live in its node's keeper
+    (shared memory that outlives the trainer), so a spare on the same node takes over a crashed
+    rank with no network transfer of its state. Rides on the mirror's per-step capture
+    (``mirror.enabled``); with ``mirror.replicas=0`` the keeper is the only copy."""
+
+    keeper: bool = True
+    """Keep this rank's snapshots in its node's keeper (needs hotspare-run, which starts the keepers)."""
+    budget_mb: float = 0.0
+    """Host memory this node's keeper may give retained state, in MiB (0: only /dev/shm's free space
+    bounds it). Over it, a rank keeps only its newest version, then none; the log says which."""
+
+    def __post_init__(self) -> None:
+        if self.budget_mb < 0:
+            raise ConfigError(f"retain.budget_mb={self.budget_mb} must be >= 0 (0: no budget)")
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.budget_mb * (1 << 20))
+
+
+@dataclass
 class HotspareConfig:
     """The ``"hotspare"`` section of a DeepSpeed JSON config."""
 
@@ -140,6 +162,8 @@ class HotspareConfig:
     """Failure detection and in-place recovery."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Persistent checkpoints, the fallback when redundancy is exhausted."""
+    retain: RetainConfig = field(default_factory=RetainConfig)
+    """Retention in the node's keeper (tier 1, survives a trainer crash)."""
 
 
 def check_choice(key: str, value: Any, allowed: tuple) -> None:

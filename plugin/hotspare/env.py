@@ -20,6 +20,8 @@ HOTSPARE_GENERATION = "HOTSPARE_GENERATION"
 HOTSPARE_ROLE = "HOTSPARE_ROLE"
 # This process's worker id in the control store (a<rank> or s<node>.<k>).
 HOTSPARE_WORKER_ID = "HOTSPARE_WORKER_ID"
+# Unix socket of this (logical) node's keeper (hotspare.keeper).
+HOTSPARE_KEEPER_SOCKET = "HOTSPARE_KEEPER_SOCKET"
 # Seconds a worker waits for the store and for the first rendezvous.
 HOTSPARE_STORE_TIMEOUT_S = "HOTSPARE_STORE_TIMEOUT_S"
 

@@ -8,6 +8,10 @@ plus the ``HOTSPARE_*`` variables of :mod:`hotspare.env`.
 ``--logical-nodes L`` splits one machine's workers into L logical nodes (for tests and
 recipes that need "other nodes" on one host); each worker's HOTSPARE_NODE_RANK is its
 logical node.
+
+Before its workers it starts one keeper per (logical) node (:mod:`hotspare.keeper`): the
+process that owns the node's retained shared-memory segments; it is stopped after them and
+then removes every segment.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from . import control, env
+from . import control, env, keeper
 
 POLL_INTERVAL_S = 0.02
 ABORT_EXIT_CODE = 3
@@ -65,6 +69,8 @@ class LaunchSpec:
     and is killed and replaced. When all report, the same workers form the next generation."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Added to every worker's environment."""
+    keeper: bool = True
+    """Start a keeper per (logical) node (off: ranks retain nothing outside their processes)."""
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -139,6 +145,7 @@ class Launcher:
         self._stall_since: float | None = None
         self._killed: set[str] = set()
         self._prepared: dict[int, str] = {}  # rank -> spare told to build its engine (coordinator)
+        self.keepers: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
 
     @property
     def world_size(self) -> int:
@@ -184,6 +191,8 @@ class Launcher:
         # NCCL: on a collective timeout abort the communicators and raise in the worker (2,
         # CleanUpOnly) instead of tearing the process down, so a survivor can recover in place.
         worker_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        if node in self.keepers:
+            worker_env[env.HOTSPARE_KEEPER_SOCKET] = keeper.socket_path(self.job_id, node)
         return worker_env
 
     def _spawn(self, worker_env: dict[str, str]) -> subprocess.Popen:
@@ -219,6 +228,9 @@ class Launcher:
         self.port = self._open_store()
         _log(f"job {self.job_id}: node {self.spec.node_rank}/{self.spec.nnodes}, {self.spec.nproc_per_node} "
              f"workers + {self.spec.spares_per_node} spare(s) per node, store {self.spec.master_addr}:{self.port}")
+        if self.spec.keeper:
+            for node in self._local_nodes():
+                self.keepers[node] = keeper.start(self.job_id, node, keeper.socket_path(self.job_id, node))
         for local_rank in range(self.spec.nproc_per_node):
             self._start_active(local_rank)
         for node in self._local_nodes():
@@ -241,6 +253,21 @@ class Launcher:
         # A worker may have left children in its session even after exiting.
         for w in self.workers.values():
             _signal_group(w.proc, signal.SIGKILL)
+        self._stop_keepers()
+
+    def _stop_keepers(self) -> None:
+        """After the workers: each keeper removes its segments and exits (SIGKILL after the grace;
+        the next keeper on the node then removes what that one left)."""
+        for p in self.keepers.values():
+            if p.poll() is None:
+                p.terminate()
+        for node, p in self.keepers.items():
+            try:
+                p.wait(timeout=self.spec.term_grace_s)
+            except subprocess.TimeoutExpired:
+                _log(f"the keeper of node {node} did not stop in {self.spec.term_grace_s} s; killing it")
+                p.kill()
+                p.wait()
 
     # ---- watching --------------------------------------------------------------------------
 
@@ -519,6 +546,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     p.add_argument("--stall-grace-s", type=float, default=5.0,
                    help="seconds every active worker has to report a failure its peers saw before it is "
                         "killed as stuck")
+    p.add_argument("--no-keeper", action="store_true",
+                   help="start no keeper (ranks retain nothing outside their own processes)")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -533,7 +562,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     return LaunchSpec(script=script, nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
                       master_addr=addr, master_port=port, logical_nodes=a.logical_nodes,
                       spares_per_node=a.spares_per_node, job_id=a.job_id,
-                      store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s)
+                      store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s, keeper=not a.no_keeper)
 
 
 def main(argv: list[str] | None = None) -> int:

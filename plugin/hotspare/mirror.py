@@ -17,6 +17,11 @@ Receivers keep the last committed copy of each source while the next arrives in 
 buffer; a copy commits (the buffers swap) only when every byte arrived and its CRC-32 matches
 the header's. After the swap the second buffer still holds the copy committed before (the
 *previous* version) until the next round starts to write into it. Headers are int64 tensors; payloads are raw bytes. Nothing is unpickled.
+
+A rank's own two snapshots live in buffers a :class:`Snapshots` provider gives: its private
+memory (:class:`PrivateSnapshots`), or its node keeper's shared memory
+(:class:`hotspare.retain.RetainedSnapshots`), where every update is a chunk-level
+transaction: ``begin`` before the capture writes a buffer, ``commit`` when its round starts.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import faults
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
 from .transport import Transport
 
@@ -76,18 +82,54 @@ class Copy:
     previous_header: Header | None = None
 
 
+class Snapshots:
+    """Where a rank's own two snapshot buffers live, and how an update of one is made durable."""
+
+    retained = False
+    """Whether the buffers outlive this process (a keeper's shared memory)."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+
+    def versions(self) -> list[int]:
+        """The version each buffer holds already (a retained segment attached again), else NO_VERSION."""
+        return [NO_VERSION] * len(self.buffers)
+
+    def begin(self, slot: int) -> None:
+        """Buffer ``slot`` is about to be overwritten."""
+
+    def commit(self, slot: int, version: int, generation: int) -> None:
+        """Buffer ``slot`` holds ``version`` now (called by the round, off the training thread)."""
+
+    def freeze(self) -> None:
+        """No commit after this (the generation failed)."""
+
+    def close(self) -> None:
+        """Let go of the buffers."""
+
+
+class PrivateSnapshots(Snapshots):
+    """Both buffers in this process's own memory (pinned on an accelerator)."""
+
+    def __init__(self, layout: Layout, pin_memory: bool = False):
+        super().__init__([layout.allocate(pin_memory) for _ in range(2)])
+
+
 class Mirror:
     """Drives the rounds of one rank. ``on_step`` from the training thread; the rest is background."""
 
     def __init__(self, rank: int, generation: int, holders: dict[int, list[int]], transport: Transport,
                  control: Callable[[torch.Tensor], None], *, in_flight: str = "wait", chunk_bytes: int = 4 << 20,
-                 timeout_s: float = 60.0, pin_memory: bool = False, on_event: Callable[..., None] | None = None):
+                 timeout_s: float = 60.0, pin_memory: bool = False, on_event: Callable[..., None] | None = None,
+                 snapshots: Callable[[Layout], Snapshots] | None = None):
         self.rank, self.generation = rank, generation
         self.holders = list(holders.get(rank, []))
         self.sources = sorted(s for s, hs in holders.items() if rank in hs)
         self.transport, self.control = transport, control
         self.in_flight, self.chunk_bytes, self.timeout_s = in_flight, chunk_bytes, timeout_s
         self.pin_memory = pin_memory
+        self._make_snapshots = snapshots or (lambda layout: PrivateSnapshots(layout, pin_memory))
+        self.snapshots: Snapshots | None = None
         self._synchronize = None
         if pin_memory:
             from deepspeed.accelerator import get_accelerator
@@ -164,7 +206,10 @@ class Mirror:
             slot = 1 - held.index(g)
         else:
             slot = 0 if held[0] <= held[1] else 1
-        for view, (_, src) in zip(self._own_views[slot], named):
+        self._own_version[slot] = NO_VERSION
+        self.snapshots.begin(slot)
+        for i, (view, (_, src)) in enumerate(zip(self._own_views[slot], named)):
+            faults.hit("snapshot_write", i)
             view.copy_(src.reshape(-1), non_blocking=self.pin_memory)
         write_meta(self._own[slot], self.layout, meta)
         if self._synchronize is not None:
@@ -175,10 +220,12 @@ class Mirror:
     def _allocate(self, named: list) -> None:
         if self.layout is not None:
             self.on_event("mirror_layout_changed", old_bytes=self.layout.nbytes)
+            self.snapshots.close()
         self.layout = Layout.of(named)
-        self._own = [self.layout.allocate(self.pin_memory) for _ in range(2)]
+        self.snapshots = self._make_snapshots(self.layout)
+        self._own = self.snapshots.buffers
         self._own_views = [self.layout.views(b) for b in self._own]
-        self._own_version = [NO_VERSION, NO_VERSION]
+        self._own_version = self.snapshots.versions()
 
     def own_snapshot(self, version: int) -> torch.Tensor | None:
         """This rank's own snapshot of ``version``, if it still has it."""
@@ -243,6 +290,8 @@ class Mirror:
         """
         with self._commit_lock:
             self._stop.set()
+            if self.snapshots is not None:
+                self.snapshots.freeze()
         self.enabled = False
         self._rounds.put(None)
         return self.join(join_s)
@@ -259,6 +308,8 @@ class Mirror:
         self._rounds.put(None)
         self._thread.join(timeout=self.timeout_s + 5)
         self.transport.close()
+        if self.snapshots is not None:
+            self.snapshots.close()
 
     # ---- background thread -----------------------------------------------------------------
 
@@ -280,6 +331,7 @@ class Mirror:
     def _round(self, version: int, slot: int) -> None:
         t0 = time.perf_counter()
         buf = self._own[slot]
+        self.snapshots.commit(slot, version, self.generation)
         header = Header(self.generation, version, self.rank, buf.numel(), crc32(buf), self.layout.id)
         header.to_tensor(self._header_out)
         sends = []

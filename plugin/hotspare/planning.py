@@ -9,7 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 SELF = -1
-"""Source marker: the rank restores from its own retained snapshot."""
+"""Source marker: the rank restores from its own snapshot (a survivor)."""
+KEEPER = -2
+"""Source marker: the rank (a spare that took it on its node) restores from the node keeper's segment."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,9 @@ class Holdings:
     while intact); a plain int stands for one version."""
     send_rate: float = 0.0
     """Measured bytes/s of its mirror sends (0 when unknown); weights the load split."""
+    retained: frozenset[int] = frozenset()
+    """Versions of this rank's state its node's keeper holds and this process verified (a spare
+    that took the rank on the dead rank's node); no byte of them crosses the network."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "held", {s: frozenset([v]) if isinstance(v, int) else frozenset(v)
@@ -42,11 +47,13 @@ class NoConsistentVersion(RuntimeError):
 
 
 def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) -> RestorePlan:
-    """The newest version available for every rank, preferring each rank's own copy.
+    """The newest version available for every rank, from each rank's cheapest source.
 
-    ``new_ranks`` are the ranks a spare took in this generation: their own state died with
-    them, so they can only be restored from holders. A version is usable when every rank
-    either holds it itself or some other rank holds a committed copy of it.
+    ``new_ranks`` are the ranks a spare took in this generation: their process state died with
+    them, so they are restored from their node's keeper (when it retained the version) or
+    from holders. A version is usable when every rank holds it itself, has it in its keeper,
+    or some other rank holds a committed copy of it. Sources in order of cost: own snapshot,
+    keeper (both local), peers' copies.
     """
     new = set(new_ranks)
     world = len(holdings)
@@ -54,6 +61,7 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
     for r, h in enumerate(holdings):
         if r not in new:
             candidates |= set(h.own)
+        candidates |= set(h.retained)
         for versions in h.held.values():
             candidates |= versions
     best_missing: list[int] | None = None
@@ -62,6 +70,9 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
         for r in range(world):
             if r not in new and v in holdings[r].own:
                 sources[r] = (SELF,)
+                continue
+            if r in new and v in holdings[r].retained:
+                sources[r] = (KEEPER,)
                 continue
             holders = tuple(h for h in range(world) if h != r and v in holdings[h].held.get(r, ()))
             if holders:
@@ -73,7 +84,7 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
         if best_missing is None:
             best_missing = missing
     lost = [r for r in range(world) if not any(holdings[h].held.get(r) for h in range(world) if h != r)
-            and (r in new or not holdings[r].own)]
+            and (r in new or not holdings[r].own) and not holdings[r].retained]
     if not candidates:
         detail = "no rank holds any version"
     elif lost:

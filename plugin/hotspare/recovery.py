@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .mirror import NO_VERSION, Mirror, MirrorError
-from .planning import SELF, Holdings, RestorePlan, split_load
+from .planning import KEEPER, SELF, Holdings, RestorePlan, split_load
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32
 from .transport import GlooTransport, TransferError
 
@@ -59,13 +59,17 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or (isinstance(exc, RuntimeError) and "timed out" in str(exc).lower())
 
 
-def exchange_holdings(group, world_size: int, mirror: Mirror | None) -> list[Holdings]:
+def exchange_holdings(group, world_size: int, mirror: Mirror | None, retained=()) -> list[Holdings]:
     """All-gather every rank's :class:`Holdings` over ``group`` (a gloo group of the new generation).
 
-    ``mirror`` is this rank's mirror of the failed generation, stopped (None for a spare).
-    Encoding: [own_a, own_b, send_rate, then for each source s: two versions held of s], -1 for none.
+    ``mirror`` is this rank's mirror of the failed generation, stopped (None for a spare);
+    ``retained``: the versions of this rank's state its node's keeper holds, verified (a spare).
+    Encoding: [own_a, own_b, send_rate, kept_a, kept_b, then for each source s: two versions
+    held of s], -1 for none.
     """
-    mine = torch.full((3 + 2 * world_size,), NO_VERSION, dtype=torch.int64)
+    mine = torch.full((5 + 2 * world_size,), NO_VERSION, dtype=torch.int64)
+    for i, v in enumerate(sorted(retained)[-2:]):
+        mine[3 + i] = v
     if mirror is not None:
         own, held = mirror.holdings()
         for i, v in enumerate(sorted(own)[-2:]):
@@ -74,16 +78,17 @@ def exchange_holdings(group, world_size: int, mirror: Mirror | None) -> list[Hol
         for src, versions in held.items():
             if src < world_size:
                 for i, v in enumerate(sorted(versions)[-2:]):
-                    mine[3 + 2 * src + i] = v
+                    mine[5 + 2 * src + i] = v
     out = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(out, mine, group=group)
     holdings = []
     for t in out:
         v = [int(x) for x in t.tolist()]
+        held = {s: frozenset(x for x in v[5 + 2 * s:7 + 2 * s] if x != NO_VERSION) for s in range(world_size)}
         holdings.append(Holdings(own=frozenset(x for x in v[:2] if x != NO_VERSION),
-                                 held={s: frozenset(x for x in v[3 + 2 * s:5 + 2 * s] if x != NO_VERSION)
-                                       for s in range(world_size) if max(v[3 + 2 * s:5 + 2 * s]) != NO_VERSION},
-                                 send_rate=float(max(0, v[2]))))
+                                 held={s: vs for s, vs in held.items() if vs},
+                                 send_rate=float(max(0, v[2])),
+                                 retained=frozenset(x for x in v[3:5] if x != NO_VERSION)))
     return holdings
 
 
@@ -129,6 +134,8 @@ def start_fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: li
         holders = plan.sources[r]
         if holders == (SELF,):
             raise RecoveryError(f"rank {r} was taken by a spare but the plan restores it from itself")
+        if holders == (KEEPER,):
+            continue  # restored from its node's keeper: nothing crosses the network
         rates = [holdings[h].send_rate for h in holders]
         if rank == r:
             header, buf, layout, recvs = _start_receive(r, plan.version, holders, rates, layout_for, transport,

@@ -4,7 +4,11 @@ hotspare-run; one rank SIGKILLs itself at a chosen (step, micro-batch, phase).
 Usage: recover.py STAGE OUT KILL ACCUM STEPS [CKPT_EVERY], KILL = 'none' or 'RANK:STEP:MICRO:PHASE' (or
 several joined by ','), PHASE one of forward, backward, step, mirror, hang (SIGSTOP), wedge (the training thread
 stops for good, the heartbeat goes on), transient (raise a collective timeout once; nobody dies),
-join (die while arriving in generation 1, i.e. during the first recovery; STEP is ignored). Each process that
+join (die while arriving in generation 1, i.e. during the first recovery; STEP is ignored),
+write (die in the middle of writing the step's snapshot into the keeper's segment: after 2 of its
+segments), commit0 (die after the write, before the first chunk's commit record), commit1 (die between the
+commit records of chunks 0 and 1), corrupt (after the step's copies are out, flip a byte of every version the
+keeper holds, then die: the spare must not use them). Each process that
 finishes writes OUT/<worker id>.json: the losses by step, final digests, its recoveries.
 CKPT_EVERY > 0 saves a persistent checkpoint into OUT/ckpt every that many steps.
 """
@@ -21,6 +25,7 @@ import time
 import torch
 
 import hotspare
+from hotspare import faults as fault_points
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
 from hotspare.worker import worker_id
 from tiny import tiny_model_and_config
@@ -31,6 +36,9 @@ def digest(tensors) -> str:
     for t in tensors:
         h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+KEEPER_FAULTS = {"write": ("snapshot_write", 2), "commit0": ("keeper_commit", 0), "commit1": ("keeper_commit", 1)}
 
 
 def die() -> None:
@@ -114,7 +122,15 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
                 handle.remove()
             if phase == "step":
                 die()
+            if phase in KEEPER_FAULTS:
+                fault_points.arm(*KEEPER_FAULTS[phase])  # fires inside engine.step's capture or its mirror round
             engine.step()
+            if phase == "corrupt":
+                session.mirror.flush()  # this step's round (commit records, copies to peers) is complete
+                segment = session.mirror.snapshots.segment
+                for slot in segment.slots:
+                    slot[len(slot) // 2] ^= 0xFF
+                die()
         losses[step] = float(loss).hex()
         return loss
 

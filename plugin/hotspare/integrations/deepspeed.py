@@ -30,9 +30,10 @@ from .. import checkpoint, control, env, rebuild
 from ..config import ConfigError, HotspareConfig, split_deepspeed_config
 from ..events import EventLog
 from ..generation import Generation, Superseded, join, leave, store_from_env
+from ..keeper import KeeperClient, KeeperError
 from ..mirror import Mirror, MirrorError
 from ..placement import place
-from ..planning import NoConsistentVersion, choose_version
+from ..planning import KEEPER, NoConsistentVersion, choose_version
 from ..recovery import RecoveryError, exchange_holdings, is_distributed_error, is_timeout, start_fetch
 from ..snapshot import Layout, read_meta
 from ..sockets import abort_nccl, break_connections
@@ -98,6 +99,10 @@ class Session:
     checkpoints: Any = None
     """The background checkpoint engine (None when ``hotspare.checkpoint`` is off)."""
     backend: str = "gloo"
+    keeper: KeeperClient | None = None
+    """This node's keeper (None when retention is off or the process was not started by hotspare-run)."""
+    _kept: Any = None
+    """The retained segment of the rank this spare took (read by its restore), and its verified versions."""
     _repointed: list | None = None
     _retired: list = field(default_factory=list)
     """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
@@ -209,6 +214,11 @@ class Session:
         leave()
         return broken
 
+    def _drop_kept(self) -> None:
+        if self._kept is not None:
+            self._kept[0].close()
+            self._kept = None
+
     def _report_waiting(self, generation: int, error: BaseException) -> None:
         # Tell the coordinator at once: a failure no launcher saw (a peer stuck while it keeps
         # beating) is found from which workers do not say this.
@@ -233,7 +243,8 @@ class Session:
         # hotspare's own groups first: the state transfer starts on them and its bytes move while
         # DeepSpeed's groups are built.
         data_group, control_group = self._hotspare_groups()
-        holdings = exchange_holdings(control_group, gen.world_size, retained)
+        kept = self._take_over_retained(rank) if retained is None else {}
+        holdings = exchange_holdings(control_group, gen.world_size, retained, kept)
         # A spare that took a rank in a generation that failed while it formed is not in this
         # plan's ``replaced``, but it holds no state of its own either.
         new_ranks = sorted({int(r) for r in plan.replaced} | {r for r, h in enumerate(holdings) if not h.own})
@@ -259,6 +270,7 @@ class Session:
             phases["fallback"] = detail["checkpoint"]
         else:
             version, detail = self._restore_from_memory(target, pending, retained)
+        self._drop_kept()
         layout = Layout.of(self.state.tensors())
         _agree_on(control_group, [version, self.engine.global_steps, layout.id & 0xFFFFFFFF])
         phases["restore_s"] = time.monotonic() - t2
@@ -275,11 +287,36 @@ class Session:
         _log(f"rank {rank}: generation {gen.index} resumes at step {version} "
              f"({', '.join(f'{k} {v:.3f}' for k, v in phases.items() if k.endswith('_s'))})")
 
+    def _take_over_retained(self, rank: int) -> dict[int, int]:
+        """A spare: what this node's keeper retained of ``rank``, checked chunk by chunk
+        ({version: slot}; empty when nothing usable, e.g. the rank died on another node)."""
+        self._kept = None
+        if self.keeper is None:
+            return {}
+        try:
+            segment, good, detail = self.keeper.take_over(rank, self.state.layout_for)
+        except KeeperError as exc:
+            _log(f"rank {rank}: {exc}; restoring from peers")
+            return {}
+        self.events("keeper_attach", **detail)
+        if detail.get("corrupt_chunks"):
+            _log(f"rank {rank}: the keeper's copy of version(s) {', '.join(detail['corrupt_chunks'])} fails its "
+                 f"checksum (chunks {detail['corrupt_chunks']}); it is not used")
+        if segment is not None:
+            self._kept = (segment, good)
+        return good
+
     def _restore_from_memory(self, target, pending, retained) -> tuple[int, dict]:
-        """Land on ``target``: this rank's own snapshot, or its bytes from the holders of its mirror
-        (``pending``: the transfer started before the host's groups were built)."""
+        """Land on ``target``: this rank's own snapshot, its node keeper's copy, or its bytes from the
+        holders of its mirror (``pending``: the transfer started before the host's groups were built)."""
         rank = self.generation.rank
         received, moved = pending.wait()
+        if target.sources[rank] == (KEEPER,):
+            segment, good = self._kept
+            buf = segment.slots[good[target.version]]
+            self.state.restore(buf, self.state.layout_for(segment.layout_id))
+            self.state.resync()
+            return target.version, {"source": "keeper", **moved}
         if received is not None:
             buf, layout = received
         else:
@@ -351,13 +388,20 @@ class Session:
         """Start mirroring in the current generation and seed it with the state as it is now."""
         cfg, gen = self.config, self.generation
         mc = cfg.mirror
-        if not (mc.enabled and mc.replicas > 0 and gen.world_size > 1):
+        if not (mc.enabled and (mc.replicas > 0 or self.keeper is not None) and gen.world_size > 1):
             return
         nodes = node_ranks(control_group)
         try:
             holders = place(nodes, mc.replicas)
         except ValueError as exc:
             raise ConfigError(f"hotspare.mirror.replicas={mc.replicas}: {exc}") from None
+        snapshots = None
+        if self.keeper is not None:
+            def note(text: str) -> None:
+                _log(f"rank {gen.rank}: {text}")
+                self.events("retain_budget", note=text)
+
+            snapshots = self.keeper.snapshots_for(gen.rank, mc.chunk_bytes, cfg.retain.budget_bytes, note)
 
         def agree(t: torch.Tensor) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group)
@@ -367,7 +411,7 @@ class Session:
         pin = get_accelerator().device_name() != "cpu"
         self.mirror = Mirror(gen.rank, gen.index, holders, GlooTransport(data_group, gen.rank), agree,
                              in_flight=mc.in_flight, chunk_bytes=mc.chunk_bytes, timeout_s=mc.timeout_s,
-                             pin_memory=pin, on_event=self.events)
+                             pin_memory=pin, on_event=self.events, snapshots=snapshots)
         self.events("mirror_start", holders=holders[gen.rank], nodes=nodes, single_node=len(set(nodes)) == 1)
         # The state as it is now is a version too: a failure in the very next step lands here.
         self.mirror.on_step(self.engine.global_steps, self.state.tensors, self.state.meta)
@@ -385,6 +429,7 @@ class Session:
         if self.checkpoints is not None:
             self.checkpoints.close()
             self.checkpoints = None
+        self._drop_kept()
         for old in self._retired:
             if not old.join():
                 _log(f"rank {self.generation.rank}: a mirror thread of generation {old.generation} is still blocked "
@@ -501,6 +546,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         return session
     session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
     session.state = DeepSpeedState(engine, data_state, load_data_state)
+    session.keeper = _keeper(hs_config)
     if hs_config.checkpoint.enabled:
         session.checkpoints = engine.checkpoint_engine = checkpoint.make_engine(
             gen.rank, gen.world_size, hs_config.checkpoint.keep, session.events)
@@ -578,6 +624,17 @@ def warm_up_spare() -> list[str]:
     except (ImportError, AttributeError):
         missing.append("deepspeed.comm.torch.build_shm_op")
     return missing
+
+
+def _keeper(cfg: HotspareConfig) -> KeeperClient | None:
+    if not (cfg.retain.keeper and cfg.mirror.enabled):
+        return None
+    path = os.environ.get(env.HOTSPARE_KEEPER_SOCKET)
+    if not path:
+        _log("hotspare.retain.keeper is on, but no keeper runs for this process (start it with hotspare-run): "
+             "its state is kept in its own memory and its peers' only")
+        return None
+    return KeeperClient(path)
 
 
 def _heartbeat(cfg: HotspareConfig, store) -> Heartbeat | None:

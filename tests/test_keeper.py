@@ -1,0 +1,82 @@
+"""The keeper as a process (hotspare.keeper): started by hotspare-run or on its own, answering
+over its Unix socket, and leaving nothing in /dev/shm whether it is stopped, its launcher is
+SIGKILLed, or it is SIGKILLed itself and a new keeper starts on the node. Needs /dev/shm."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from hotspare import keeper
+from hotspare.keeper import KeeperClient, KeeperError
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(keeper.SHM_DIR), reason="needs /dev/shm")
+
+
+def ours(job: str) -> list[str]:
+    return sorted(n for n in os.listdir(keeper.SHM_DIR) if n.startswith(f"hotspare-{job}-"))
+
+
+def test_a_keeper_serves_segments_and_removes_them_when_stopped(tmp_path, no_leaks):
+    job = f"t{os.getpid()}a"
+    sock = str(tmp_path / "k.sock")
+    proc = keeper.start(job, 0, sock)
+    try:
+        client = KeeperClient(sock)
+        seg, note = client.open(1, layout_id=9, nbytes=10000, chunk_bytes=4096)
+        assert note == "" and seg.rank == 1 and len(ours(job)) == 1
+        seg.slots[0][:4] = 7
+        seg.commit(0, 3, 0)
+        seen = client.lookup(1)  # another process on the node (a spare) sees the same bytes
+        assert seen.complete_versions() == {3: 0} and int(seen.slots[0][2]) == 7
+        assert client.lookup(0) is None
+        assert client.stats()["bytes"] > 20000
+        seg.close()
+        seen.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert proc.returncode == 0 and ours(job) == [] and not os.path.exists(sock)
+    with pytest.raises(KeeperError, match="did not answer"):
+        KeeperClient(sock, timeout_s=1.0).stats()
+
+
+def test_a_killed_keeper_leaves_segments_that_the_next_keeper_removes(tmp_path, no_leaks):
+    job = f"t{os.getpid()}b"
+    first = keeper.start(job, 0, str(tmp_path / "1.sock"))
+    KeeperClient(str(tmp_path / "1.sock")).open(0, 1, 5000, 4096)[0].close()
+    first.kill()
+    first.wait()
+    assert len(ours(job)) == 1
+    second = keeper.start(f"{job}x", 0, str(tmp_path / "2.sock"))  # another job's keeper on the node
+    try:
+        assert ours(job) == []
+    finally:
+        second.terminate()
+        second.wait(timeout=10)
+
+
+def test_a_keeper_whose_launcher_is_killed_cleans_up_by_itself(tmp_path, no_leaks):
+    job = f"t{os.getpid()}c"
+    sock = str(tmp_path / "k.sock")
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from hotspare import keeper
+        keeper.start({job!r}, 0, {sock!r})
+        keeper.KeeperClient({sock!r}).open(0, 1, 5000, 4096)
+        print("up", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "up"
+    (child,) = psutil.Process(parent.pid).children()
+    assert len(ours(job)) == 1
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    child.wait(timeout=10)
+    assert ours(job) == [] and not os.path.exists(sock)
