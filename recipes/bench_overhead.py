@@ -1,11 +1,16 @@
 """Mirroring overhead: the GPT job on 4 ranks with blocks of steps alternating mirroring off
-and on (same processes, same data), for each ZeRO stage.
+and on (same processes, same data), for each ZeRO stage; then the same with tier 2 a zfec
+stripe (``hotspare.retain.k``, ``m``; on k+m logical nodes of one rank each, since a stripe
+needs k+m nodes).
 
     python recipes/bench_overhead.py out=overhead.json
     python recipes/bench_overhead.py out=o.json stages=[2] model=small train.steps=400 block=25
 
 Writes one JSON object: ``stages`` -> {stage: {baseline_step_s, mirror_step_s, overhead,
-mirror_bytes_per_step, unique_bytes_per_param, waits, skips, ...}}; prints a table.
+mirror_bytes_per_step, unique_bytes_per_param, waits, skips, ..., stripe_step_s,
+stripe_baseline_step_s, stripe_overhead, tier2_memory_ratio: {mirror, stripe}}}, where the
+memory ratio is the bytes held for tier 2 (own copy or share plus what peers hold) over the
+unique state's bytes, measured from what the mirrors hold; prints a table.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ class BenchOverheadConfig(gpt_job.GPTJobConfig):
     """ZeRO stages to measure (one run each)."""
     block: int = 20
     """Steps per block; blocks alternate mirroring off, on, off, ... The first two blocks are warm-up."""
+    stripe: bool = True
+    """Also measure tier 2 as a stripe (hotspare.retain.k, m)."""
 
 
 gpt_job.register()
@@ -55,6 +62,7 @@ def measure(result_ranks: list[dict], block: int) -> dict:
     mirrors = [r["mirror"] for r in result_ranks]
     b, m = statistics.median(base), statistics.median(mirr)
     return {
+        "tier2_memory_ratio": sum(x["tier2_bytes"] for x in mirrors) / sum(x["snapshot_bytes"] for x in mirrors),
         "baseline_step_s": b, "mirror_step_s": m, "overhead": m / b - 1.0,
         "mirror_bytes_per_step": sum(x["snapshot_bytes"] * len(x["holders"]) for x in mirrors),
         "unique_bytes_per_param": mirrors[0]["unique_bytes_per_param"],
@@ -71,24 +79,43 @@ def main(cfg) -> None:
     bench = from_mapping(BenchOverheadConfig, data)
     run_dir = HydraConfig.get().runtime.output_dir
     results = {}
+    retain = bench.hotspare.retain
     for stage in bench.stages:
-        job_data = {k: v for k, v in data.items() if k not in ("out", "stages", "block")}
+        job_data = {k: v for k, v in data.items() if k not in ("out", "stages", "block", "stripe")}
         job_data["zero"] = {**job_data["zero"], "stage": stage}
+        job_data["hotspare"] = {**job_data["hotspare"], "retain": {**job_data["hotspare"].get("retain", {}),
+                                                                   "tier2": "mirror"}}
         job = from_mapping(gpt_job.GPTJobConfig, job_data)
         out_dir = os.path.join(run_dir, f"zero{stage}")
         if gpt_job.launch(job, out_dir, mirror_block=bench.block) != 0:
             sys.exit(f"bench_overhead: the ZeRO-{stage} run failed; see its output above")
-        results[str(stage)] = measure(gpt_job.collect(out_dir, job.parallel.num_ranks), bench.block)
+        r = measure(gpt_job.collect(out_dir, job.parallel.num_ranks), bench.block)
+        r["tier2_memory_ratio"] = {"mirror": r["tier2_memory_ratio"]}
+        if bench.stripe:
+            n = retain.k + retain.m
+            job_data["parallel"] = {**job_data["parallel"], "num_ranks": n, "logical_nodes": n}
+            job_data["hotspare"]["retain"] = {**job_data["hotspare"]["retain"], "tier2": "stripe"}
+            job = from_mapping(gpt_job.GPTJobConfig, job_data)
+            out_dir = os.path.join(run_dir, f"zero{stage}-stripe")
+            if gpt_job.launch(job, out_dir, mirror_block=bench.block) != 0:
+                sys.exit(f"bench_overhead: the ZeRO-{stage} stripe run failed; see its output above")
+            s = measure(gpt_job.collect(out_dir, n), bench.block)
+            r.update(stripe_step_s=s["mirror_step_s"], stripe_baseline_step_s=s["baseline_step_s"],
+                     stripe_overhead=s["overhead"], stripe_num_ranks=n, stripe_k=retain.k, stripe_m=retain.m)
+            r["tier2_memory_ratio"]["stripe"] = s["tier2_memory_ratio"]
+        results[str(stage)] = r
     report = {"stages": results, "num_ranks": bench.parallel.num_ranks, "model": OmegaConf.to_container(cfg.model),
               "steps": bench.train.steps, "block": bench.block, "in_flight": bench.hotspare.mirror.in_flight}
     with open(bench.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     print(f"{'stage':>5} {'base ms':>9} {'mirror ms':>9} {'overhead':>9} {'MB/step':>8} {'B/param':>8} "
-          f"{'waits':>5} {'skips':>5}")
+          f"{'waits':>5} {'skips':>5} {'stripe':>9} {'mem m/s':>11}")
     for stage, r in results.items():
+        ratio = r["tier2_memory_ratio"]
+        stripe = f"{r['stripe_overhead']:9.3%}" if "stripe_overhead" in r else f"{'-':>9}"
         print(f"{stage:>5} {r['baseline_step_s'] * 1e3:9.2f} {r['mirror_step_s'] * 1e3:9.2f} {r['overhead']:9.3%} "
               f"{r['mirror_bytes_per_step'] / 1e6:8.2f} {r['unique_bytes_per_param']:8.2f} {r['waits']:5d} "
-              f"{r['skips']:5d}")
+              f"{r['skips']:5d} {stripe} {ratio['mirror']:5.2f}/{ratio.get('stripe', float('nan')):5.2f}")
     print(f"wrote {os.path.abspath(bench.out)}")
 
 

@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 
 
 IN_FLIGHT_POLICIES = ("wait", "skip")
+TIER2_KINDS = ("mirror", "stripe")
 
 
 @dataclass
@@ -138,10 +139,32 @@ class RetainConfig:
     budget_mb: float = 0.0
     """Host memory this node's keeper may give retained state, in MiB (0: only /dev/shm's free space
     bounds it). Over it, a rank keeps only its newest version, then none; the log says which."""
+    tier2: str = "mirror"
+    """Protection across nodes: 'mirror' (mirror.replicas full copies on other nodes) or 'stripe'
+    (zfec: k data + m parity shares of each rank's state on k+m distinct nodes)."""
+    k: int = 2
+    """Stripe: data shares each rank's state is cut into (memory (k+m)/k of the state)."""
+    m: int = 1
+    """Stripe: parity shares; the state survives the loss of any m whole nodes, keepers included."""
 
     def __post_init__(self) -> None:
         if self.budget_mb < 0:
             raise ConfigError(f"retain.budget_mb={self.budget_mb} must be >= 0 (0: no budget)")
+        check_choice("retain.tier2", self.tier2, TIER2_KINDS)
+        if self.tier2 == "stripe":
+            if self.k < 1:
+                raise ConfigError(f"retain.k={self.k} must be at least 1 (the data shares of a stripe)")
+            if self.m < 1:
+                raise ConfigError(f"retain.m={self.m} with retain.tier2='stripe': m=0 parity shares survive no node "
+                                  f"loss; use m >= 1, or tier2='mirror'")
+            if self.k + self.m > 256:
+                raise ConfigError(f"retain.k+retain.m={self.k + self.m} must be at most 256 (zfec's limit)")
+
+    def check_nodes(self, num_nodes: int) -> None:
+        """At start-up, once the job's node count is known."""
+        if self.tier2 == "stripe" and self.k + self.m > num_nodes:
+            raise ConfigError(f"retain.k={self.k} + retain.m={self.m} = {self.k + self.m} shares need as many nodes, "
+                              f"the job has {num_nodes}: lower k or m, add nodes, or use retain.tier2='mirror'")
 
     @property
     def budget_bytes(self) -> int:

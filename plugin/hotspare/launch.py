@@ -268,6 +268,11 @@ class Launcher:
                 _log(f"the keeper of node {node} did not stop in {self.spec.term_grace_s} s; killing it")
                 p.kill()
                 p.wait()
+        if self.keepers:
+            # A keeper that was killed (its node "lost", in a test) left its segments.
+            removed = keeper.remove_stale()
+            if removed:
+                _log(f"removed {len(removed)} segment(s) a killed keeper left: {', '.join(removed)}")
 
     # ---- watching --------------------------------------------------------------------------
 

@@ -31,9 +31,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from . import faults
+from . import erasure, faults
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
 from .transport import Transport
 
@@ -121,10 +122,21 @@ class Mirror:
     def __init__(self, rank: int, generation: int, holders: dict[int, list[int]], transport: Transport,
                  control: Callable[[torch.Tensor], None], *, in_flight: str = "wait", chunk_bytes: int = 4 << 20,
                  timeout_s: float = 60.0, pin_memory: bool = False, on_event: Callable[..., None] | None = None,
-                 snapshots: Callable[[Layout], Snapshots] | None = None):
+                 snapshots: Callable[[Layout], Snapshots] | None = None, stripe: tuple[int, int] | None = None):
         self.rank, self.generation = rank, generation
-        self.holders = list(holders.get(rank, []))
-        self.sources = sorted(s for s, hs in holders.items() if rank in hs)
+        self.stripe = stripe
+        if stripe is None:
+            self.holders = list(holders.get(rank, []))
+            self.sources = sorted(s for s, hs in holders.items() if rank in hs)
+        else:
+            # ``holders[r]`` lists the holder of each of r's k+m shares; share 0 is in r's own
+            # snapshot (its node's keeper), the others travel.
+            assert all(len(hs) == sum(stripe) for hs in holders.values()), holders
+            self.holders = list(holders[rank][1:])
+            self.sources = sorted(s for s, hs in holders.items() if s != rank and rank in hs[1:])
+        self._share_of = {s: holders[s].index(rank) for s in self.sources} if stripe else {}
+        self._share_out: list[torch.Tensor] = []
+        self._headers_out = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in self.holders]
         self.transport, self.control = transport, control
         self.in_flight, self.chunk_bytes, self.timeout_s = in_flight, chunk_bytes, timeout_s
         self.pin_memory = pin_memory
@@ -265,9 +277,27 @@ class Mirror:
         Call after :meth:`stop`: then nothing changes under the caller.
         """
         own = frozenset(v for v in self._own_version if v != NO_VERSION)
+        if self.stripe is not None:
+            return own, {}
+        return own, self._held_versions()
+
+    def tier2_bytes(self) -> int:
+        """Bytes of state this rank holds so that the job survives a node loss: its own snapshot
+        plus its committed copies (mirror), or its own share plus the shares it holds (stripe)."""
+        if self.layout is None:
+            return 0
+        held = sum(c.committed.numel() for c in self.copies.values() if c.committed is not None)
+        own = self.layout.nbytes if self.stripe is None else -(-self.layout.nbytes // self.stripe[0])
+        return own + held
+
+    def share_holdings(self) -> dict[int, frozenset[int]]:
+        """{source: versions of which this rank holds a stripe share} (empty for a full mirror)."""
+        return self._held_versions() if self.stripe is not None else {}
+
+    def _held_versions(self) -> dict[int, frozenset[int]]:
         held = {s: frozenset(v for v in (c.version, c.previous_version) if v != NO_VERSION)
                 for s, c in self.copies.items()}
-        return own, {s: vs for s, vs in held.items() if vs}
+        return {s: vs for s, vs in held.items() if vs}
 
     def held_copy(self, source: int, version: int) -> tuple[Header, torch.Tensor]:
         """The copy of ``source`` at ``version`` (header, bytes), without a copy; call after :meth:`stop`."""
@@ -332,12 +362,15 @@ class Mirror:
         t0 = time.perf_counter()
         buf = self._own[slot]
         self.snapshots.commit(slot, version, self.generation)
-        header = Header(self.generation, version, self.rank, buf.numel(), crc32(buf), self.layout.id)
-        header.to_tensor(self._header_out)
         sends = []
-        for dst in self.holders:
-            sends.append(self.transport.send(self._header_out, dst, TAG_HEADER))
-            sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(buf))
+        if self.stripe is None:
+            header = Header(self.generation, version, self.rank, buf.numel(), crc32(buf), self.layout.id)
+            header.to_tensor(self._header_out)
+            for dst in self.holders:
+                sends.append(self.transport.send(self._header_out, dst, TAG_HEADER))
+                sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(buf))
+        elif self.holders:
+            sends = self._send_shares(version, buf)
         for src in self.sources:
             self._receive(src, version)
         for h in sends:
@@ -345,8 +378,24 @@ class Mirror:
         if self.in_flight == "wait":
             self._agree(self._ctrl_bg, busy=False)
         self.stats.rounds += 1
-        self.stats.bytes_sent += buf.numel() * len(self.holders)
+        self.stats.bytes_sent += sum(t.numel() for t in self._share_out) if self.stripe else \
+            buf.numel() * len(self.holders)
         self.stats.round_s += time.perf_counter() - t0
+
+    def _send_shares(self, version: int, buf: torch.Tensor) -> list:
+        """Encode ``buf`` into k+m zfec shares and send share j to the holder of share j (j >= 1)."""
+        k, m = self.stripe
+        info, shares = erasure.encode(buf.numpy(), k, m)
+        if not self._share_out or self._share_out[0].numel() != info.block:
+            self._share_out = [torch.zeros(info.block, dtype=torch.uint8) for _ in self.holders]
+        sends = []
+        for j, (dst, out, header_t) in enumerate(zip(self.holders, self._share_out, self._headers_out), start=1):
+            out.numpy()[:] = np.frombuffer(shares[j], dtype=np.uint8)
+            Header(self.generation, version, self.rank, info.block, info.share_crcs[j], self.layout.id, share=j,
+                   total_nbytes=info.nbytes, total_crc32=info.crc, k=k, m=m).to_tensor(header_t)
+            sends.append(self.transport.send(header_t, dst, TAG_HEADER))
+            sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(out))
+        return sends
 
     def _chunks(self, buf: torch.Tensor):
         return [buf[i:i + self.chunk_bytes] for i in range(0, buf.numel(), self.chunk_bytes)]
@@ -355,9 +404,10 @@ class Mirror:
         copy = self.copies[src]
         self.transport.recv(copy.header, src, TAG_HEADER).wait(self.timeout_s)
         h = Header.from_tensor(copy.header)
-        if h.magic != MAGIC or h.source != src or h.generation != self.generation or h.version != version:
+        if h.magic != MAGIC or h.source != src or h.generation != self.generation or h.version != version \
+                or h.share != self._share_of.get(src, -1):
             raise MirrorError(f"rank {self.rank}: bad header from rank {src} (expected generation "
-                              f"{self.generation} version {version}): {h}")
+                              f"{self.generation} version {version} share {self._share_of.get(src, -1)}): {h}")
         with self._commit_lock:
             if self._stop.is_set():
                 return  # frozen for a restore: what is held must stay as reported

@@ -12,6 +12,8 @@ SELF = -1
 """Source marker: the rank restores from its own snapshot (a survivor)."""
 KEEPER = -2
 """Source marker: the rank (a spare that took it on its node) restores from the node keeper's segment."""
+STRIPE = -3
+"""Source marker, followed by the share holders: the rank is decoded from k of their zfec shares."""
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,14 @@ class Holdings:
     retained: frozenset[int] = frozenset()
     """Versions of this rank's state its node's keeper holds and this process verified (a spare
     that took the rank on the dead rank's node); no byte of them crosses the network."""
+    shares: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    """Source rank -> versions of which this rank holds one zfec share of that source (tier 2 stripe)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "held", {s: frozenset([v]) if isinstance(v, int) else frozenset(v)
-                                          for s, v in self.held.items()})
+        for name in ("held", "shares"):
+            object.__setattr__(self, name, {s: frozenset([v]) if isinstance(v, int) else frozenset(v)
+                                            for s, v in getattr(self, name).items()})
+        object.__setattr__(self, "retained", frozenset(self.retained))
 
 
 @dataclass(frozen=True)
@@ -46,14 +52,15 @@ class NoConsistentVersion(RuntimeError):
     """No version is held for every rank; the message says which ranks' state is lost."""
 
 
-def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) -> RestorePlan:
+def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = (), stripe_k: int = 0) -> RestorePlan:
     """The newest version available for every rank, from each rank's cheapest source.
 
     ``new_ranks`` are the ranks a spare took in this generation: their process state died with
     them, so they are restored from their node's keeper (when it retained the version) or
     from holders. A version is usable when every rank holds it itself, has it in its keeper,
     or some other rank holds a committed copy of it. Sources in order of cost: own snapshot,
-    keeper (both local), peers' copies.
+    keeper (both local), peers' full copies, then a zfec decode from ``stripe_k`` of the
+    peers' shares (``stripe_k`` > 0 when tier 2 is a stripe).
     """
     new = set(new_ranks)
     world = len(holdings)
@@ -63,6 +70,8 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
             candidates |= set(h.own)
         candidates |= set(h.retained)
         for versions in h.held.values():
+            candidates |= versions
+        for versions in h.shares.values():
             candidates |= versions
     best_missing: list[int] | None = None
     for v in sorted(candidates, reverse=True):
@@ -75,16 +84,24 @@ def choose_version(holdings: Sequence[Holdings], new_ranks: Sequence[int] = ()) 
                 sources[r] = (KEEPER,)
                 continue
             holders = tuple(h for h in range(world) if h != r and v in holdings[h].held.get(r, ()))
+            share_holders = tuple(h for h in range(world) if h != r and v in holdings[h].shares.get(r, ()))
             if holders:
                 sources[r] = holders
+            elif stripe_k and len(share_holders) >= stripe_k:
+                sources[r] = (STRIPE, *share_holders)
             else:
                 missing.append(r)
         if not missing:
             return RestorePlan(v, sources)
         if best_missing is None:
             best_missing = missing
+    def shares_of(r: int) -> int:
+        return max((sum(1 for h in range(world) if h != r and v in holdings[h].shares.get(r, ())) for v in candidates),
+                   default=0)
+
     lost = [r for r in range(world) if not any(holdings[h].held.get(r) for h in range(world) if h != r)
-            and (r in new or not holdings[r].own) and not holdings[r].retained]
+            and (r in new or not holdings[r].own) and not holdings[r].retained
+            and not (stripe_k and shares_of(r) >= stripe_k)]
     if not candidates:
         detail = "no rank holds any version"
     elif lost:

@@ -14,14 +14,17 @@ After the coordinator's plan for generation g+1 is out and every member has join
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import erasure
 from .mirror import NO_VERSION, Mirror, MirrorError
-from .planning import KEEPER, SELF, Holdings, RestorePlan, split_load
+from .planning import KEEPER, SELF, STRIPE, Holdings, RestorePlan, split_load
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32
 from .transport import GlooTransport, TransferError
 
@@ -65,9 +68,10 @@ def exchange_holdings(group, world_size: int, mirror: Mirror | None, retained=()
     ``mirror`` is this rank's mirror of the failed generation, stopped (None for a spare);
     ``retained``: the versions of this rank's state its node's keeper holds, verified (a spare).
     Encoding: [own_a, own_b, send_rate, kept_a, kept_b, then for each source s: two versions
-    held of s], -1 for none.
+    held of s, then for each source s: two versions of which a stripe share of s is held], -1 for none.
     """
-    mine = torch.full((5 + 2 * world_size,), NO_VERSION, dtype=torch.int64)
+    w = world_size
+    mine = torch.full((5 + 4 * w,), NO_VERSION, dtype=torch.int64)
     for i, v in enumerate(sorted(retained)[-2:]):
         mine[3 + i] = v
     if mirror is not None:
@@ -75,18 +79,22 @@ def exchange_holdings(group, world_size: int, mirror: Mirror | None, retained=()
         for i, v in enumerate(sorted(own)[-2:]):
             mine[i] = v
         mine[2] = int(mirror.stats.send_rate)
-        for src, versions in held.items():
-            if src < world_size:
-                for i, v in enumerate(sorted(versions)[-2:]):
-                    mine[5 + 2 * src + i] = v
+        for base, table in ((5, held), (5 + 2 * w, mirror.share_holdings())):
+            for src, versions in table.items():
+                if src < w:
+                    for i, v in enumerate(sorted(versions)[-2:]):
+                        mine[base + 2 * src + i] = v
     out = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(out, mine, group=group)
     holdings = []
     for t in out:
         v = [int(x) for x in t.tolist()]
-        held = {s: frozenset(x for x in v[5 + 2 * s:7 + 2 * s] if x != NO_VERSION) for s in range(world_size)}
+        def table(base: int) -> dict[int, frozenset[int]]:
+            got = {s: frozenset(x for x in v[base + 2 * s:base + 2 + 2 * s] if x != NO_VERSION) for s in range(w)}
+            return {s: vs for s, vs in got.items() if vs}
+
         holdings.append(Holdings(own=frozenset(x for x in v[:2] if x != NO_VERSION),
-                                 held={s: vs for s, vs in held.items() if vs},
+                                 held=table(5), shares=table(5 + 2 * w),
                                  send_rate=float(max(0, v[2])),
                                  retained=frozenset(x for x in v[3:5] if x != NO_VERSION)))
     return holdings
@@ -95,24 +103,18 @@ def exchange_holdings(group, world_size: int, mirror: Mirror | None, retained=()
 class PendingFetch:
     """A restore transfer in flight (see :func:`start_fetch`); :meth:`wait` completes it."""
 
-    def __init__(self, handles, received, stats, t0: float, timeout_s: float):
-        self._handles, self._received, self.stats = handles, received, stats
+    def __init__(self, handles, finish: Callable[[], tuple[torch.Tensor, Layout]] | None, stats, t0: float,
+                 timeout_s: float):
+        self._handles, self._finish, self.stats = handles, finish, stats
         self._t0, self._timeout_s = t0, timeout_s
 
     def wait(self) -> tuple[tuple[torch.Tensor, Layout] | None, dict]:
         """Wait for every byte; returns ((bytes, layout) on a rank a spare took, else None; stats)."""
         for handle in self._handles:
             handle.wait(self._timeout_s)
-        if self._received is not None:
-            r, holders, header, buf, layout = self._received
-            # Only the first holder's header is checked; the CRC-32 over the assembled bytes
-            # catches a share from any holder whose copy differs.
-            if crc32(buf) != header.crc32:
-                raise RecoveryError(f"rank {r}: the restored state fails its CRC-32 check (holders "
-                                    f"{list(holders)}); it is not used")
-            self._received = (buf, layout)
+        received = self._finish() if self._finish is not None else None
         self.stats["transfer_s"] = time.perf_counter() - self._t0
-        return self._received, self.stats
+        return received, self.stats
 
 
 def start_fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: list[Holdings], mirror: Mirror | None,
@@ -124,11 +126,13 @@ def start_fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: li
     send their share of each new rank's copy of ``plan.version``, new ranks receive.
     ``layout_for(layout_id)`` gives the receiving engine's layout with that id (None: it has
     none). The split needs the byte count on every rank: the first holder's header carries it
-    (the receiver waits for that header here), and every holder knows it.
+    (the receiver waits for that header here), and every holder knows it. A rank decoded from
+    a stripe gets the share of every live share holder (k of them are needed: the others
+    stand in for a share that fails its checksum).
     """
     t0 = time.perf_counter()
     transport = GlooTransport(group, rank)
-    handles, received = [], None
+    handles, finish = [], None
     stats = {"bytes_in": 0, "bytes_out": 0, "sources": []}
     for r in sorted(new_ranks):
         holders = plan.sources[r]
@@ -136,12 +140,26 @@ def start_fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: li
             raise RecoveryError(f"rank {r} was taken by a spare but the plan restores it from itself")
         if holders == (KEEPER,):
             continue  # restored from its node's keeper: nothing crosses the network
+        if holders[0] == STRIPE:
+            use = holders[1:]
+            if rank == r:
+                finish, recvs, stats["bytes_in"] = _start_receive_shares(r, plan.version, use, layout_for, transport,
+                                                                         timeout_s)
+                handles += recvs
+                stats["sources"] = ["stripe", *use]
+            elif rank in use:
+                header, share = mirror.held_copy(r, plan.version)
+                handles.append(transport.send(header.to_tensor(torch.zeros(HEADER_LEN, dtype=torch.int64)), r,
+                                              TAG_RESTORE_HEADER))
+                handles.append(transport.send(share, r, TAG_RESTORE_DATA))
+                stats["bytes_out"] += share.numel()
+            continue
         rates = [holdings[h].send_rate for h in holders]
         if rank == r:
             header, buf, layout, recvs = _start_receive(r, plan.version, holders, rates, layout_for, transport,
                                                         timeout_s)
             handles += recvs
-            received = (r, holders, header, buf, layout)
+            finish = functools.partial(_check_copy, r, holders, header, buf, layout)
             stats["bytes_in"] = layout.nbytes
             stats["sources"] = list(holders)
             continue
@@ -155,7 +173,53 @@ def start_fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: li
         for off, n in mine:
             handles.append(transport.send(buf[off:off + n], r, TAG_RESTORE_DATA))
             stats["bytes_out"] += n
-    return PendingFetch(handles, received, stats, t0, timeout_s)
+    return PendingFetch(handles, finish, stats, t0, timeout_s)
+
+
+def _check_copy(r: int, holders, header: Header, buf: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, Layout]:
+    # Only the first holder's header is checked; the CRC-32 over the assembled bytes catches a
+    # part from any holder whose copy differs.
+    if crc32(buf) != header.crc32:
+        raise RecoveryError(f"rank {r}: the restored state fails its CRC-32 check (holders {list(holders)}); it is "
+                            f"not used")
+    return buf, layout
+
+
+def _start_receive_shares(r: int, version: int, holders, layout_for, transport: GlooTransport, timeout_s: float):
+    """Post the receives of one share from each of ``holders``; the returned ``finish`` decodes them."""
+    headers, bufs, recvs = [], [], []
+    for h in holders:
+        header_t = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        transport.recv(header_t, h, TAG_RESTORE_HEADER).wait(timeout_s)
+        header = Header.from_tensor(header_t)
+        if header.magic != MAGIC or header.source != r or header.version != version or header.share < 0:
+            raise RecoveryError(f"rank {r}: the share header from rank {h} is for rank {header.source} version "
+                                f"{header.version} share {header.share}, expected a share of version {version}")
+        buf = torch.zeros(header.nbytes, dtype=torch.uint8)
+        recvs.append(transport.recv(buf, h, TAG_RESTORE_DATA))
+        headers.append(header)
+        bufs.append(buf)
+    first = headers[0]
+    layout = layout_for(first.layout_id)
+    if layout is None or first.total_nbytes != layout.nbytes:
+        raise RecoveryError(f"rank {r}: the striped state's layout ({first.total_nbytes} bytes, id "
+                            f"{first.layout_id:x}) is not one of this engine's; is the spare running the same script, "
+                            f"model and config as the job?")
+
+    def finish() -> tuple[torch.Tensor, Layout]:
+        crcs = [0] * (first.k + first.m)
+        for header in headers:
+            crcs[header.share] = header.crc32
+        info = erasure.StripeInfo(first.k, first.m, first.total_nbytes, first.nbytes, tuple(crcs), first.total_crc32)
+        try:
+            data = erasure.decode(info, {header.share: buf.numpy() for header, buf in zip(headers, bufs)})
+        except erasure.ErasureError as exc:
+            raise RecoveryError(f"rank {r}: {exc} (share holders {list(holders)})") from None
+        out = layout.allocate()
+        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        return out, layout
+
+    return finish, recvs, sum(b.numel() for b in bufs)
 
 
 def _start_receive(r: int, version: int, holders, rates, layout_for, transport: GlooTransport, timeout_s: float):

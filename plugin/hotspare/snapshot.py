@@ -23,7 +23,8 @@ ALIGN = 64
 # position: about 1-2 KB as JSON. It is sent every step, so its area stays small.
 META_CAPACITY = 16 * 1024
 MAGIC = 0x48535031  # "HSP1"
-HEADER_FIELDS = ("magic", "generation", "version", "source", "nbytes", "crc32", "layout_id", "flags")
+HEADER_FIELDS = ("magic", "generation", "version", "source", "nbytes", "crc32", "layout_id", "flags", "share",
+                 "total_nbytes", "total_crc32", "k", "m")
 HEADER_LEN = len(HEADER_FIELDS)
 
 DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
@@ -119,6 +120,14 @@ class Header:
     crc32: int
     layout_id: int
     flags: int = 0
+    share: int = -1
+    """-1: the payload is the whole snapshot; else the index of the stripe share it is (0..k+m-1)."""
+    total_nbytes: int = 0
+    """A share: bytes of the whole snapshot it is part of."""
+    total_crc32: int = 0
+    """A share: CRC-32 of the whole snapshot."""
+    k: int = 0
+    m: int = 0
     magic: int = MAGIC
 
     def to_tensor(self, out: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ join (die while arriving in generation 1, i.e. during the first recovery; STEP i
 write (die in the middle of writing the step's snapshot into the keeper's segment: after 2 of its
 segments), commit0 (die after the write, before the first chunk's commit record), commit1 (die between the
 commit records of chunks 0 and 1), corrupt (after the step's copies are out, flip a byte of every version the
-keeper holds, then die: the spare must not use them). Each process that
+keeper holds, then die: the spare must not use them), node (the whole logical node is lost: its spares and
+its keeper are killed, then this rank). HS_TEST_TIER2=stripe:K:M makes tier 2 a zfec stripe. Each process that
 finishes writes OUT/<worker id>.json: the losses by step, final digests, its recoveries.
 CKPT_EVERY > 0 saves a persistent checkpoint into OUT/ckpt every that many steps.
 """
@@ -41,6 +42,23 @@ def digest(tensors) -> str:
 KEEPER_FAULTS = {"write": ("snapshot_write", 2), "commit0": ("keeper_commit", 0), "commit1": ("keeper_commit", 1)}
 
 
+def lose_node() -> None:
+    """SIGKILL every process of this logical node (its spares, its keeper), then this one."""
+    import psutil
+
+    node = os.environ["HOTSPARE_NODE_RANK"]
+    for p in psutil.Process(os.getppid()).children():
+        try:
+            cmd, env = p.cmdline(), p.environ()
+        except psutil.Error:
+            continue
+        is_keeper = "hotspare.keeper" in cmd and cmd[cmd.index("--node") + 1] == node
+        is_spare = env.get("HOTSPARE_ROLE") == "spare" and env.get("HOTSPARE_NODE_RANK") == node
+        if (is_keeper or is_spare) and p.pid != os.getpid():
+            p.kill()
+    die()
+
+
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -55,6 +73,9 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
                      "collective_timeout_s": float(os.environ.get("HS_TEST_COLLECTIVE_TIMEOUT_S", "30")),
                      "rendezvous_timeout_s": 60.0},
     }
+    if os.environ.get("HS_TEST_TIER2", "").startswith("stripe"):
+        _, k, m = os.environ["HS_TEST_TIER2"].split(":")
+        ds["hotspare"]["retain"] = {"tier2": "stripe", "k": int(k), "m": int(m)}
     if ckpt_every:
         ds["hotspare"]["checkpoint"] = {"dir": os.path.join(out, "ckpt"), "every": ckpt_every}
     if any(spec.endswith(":join") and spec.split(":")[0] == os.environ.get("RANK") for spec in kill.split(",")) \
@@ -90,6 +111,8 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
             phase = fault(step, micro)
             if phase == "forward":
                 die()
+            if phase == "node":
+                lose_node()
             if phase == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)  # hung: its launcher sees no heartbeat and kills it
             if phase == "wedge":

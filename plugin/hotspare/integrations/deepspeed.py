@@ -26,14 +26,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint, control, env, rebuild
+from .. import checkpoint, control, env, erasure, rebuild
 from ..config import ConfigError, HotspareConfig, split_deepspeed_config
 from ..events import EventLog
 from ..generation import Generation, Superseded, join, leave, store_from_env
 from ..keeper import KeeperClient, KeeperError
 from ..mirror import Mirror, MirrorError
 from ..placement import place
-from ..planning import KEEPER, NoConsistentVersion, choose_version
+from ..planning import KEEPER, STRIPE, NoConsistentVersion, choose_version
 from ..recovery import RecoveryError, exchange_holdings, is_distributed_error, is_timeout, start_fetch
 from ..snapshot import Layout, read_meta
 from ..sockets import abort_nccl, break_connections
@@ -250,7 +250,8 @@ class Session:
         new_ranks = sorted({int(r) for r in plan.replaced} | {r for r, h in enumerate(holdings) if not h.own})
         pending = target = lost = None
         try:
-            target = choose_version(holdings, new_ranks)
+            stripe_k = retained.stripe[0] if retained is not None and retained.stripe else cfg.retain.k
+            target = choose_version(holdings, new_ranks, stripe_k=stripe_k if cfg.retain.tier2 == "stripe" else 0)
         except NoConsistentVersion as exc:
             lost = exc
         else:
@@ -326,7 +327,8 @@ class Session:
                 raise RecoveryError(f"rank {rank} has no snapshot of version {target.version} to restore")
         self.state.restore(buf, layout)
         self.state.resync()
-        return target.version, {"source": "peers" if received is not None else "self", **moved}
+        source = "self" if received is None else "stripe" if target.sources[rank][0] == STRIPE else "peers"
+        return target.version, {"source": source, **moved}
 
     def _fall_back(self, lost: NoConsistentVersion, control_group) -> tuple[int, dict]:
         """Every in-memory copy of some rank is gone: load the newest complete persistent checkpoint
@@ -388,13 +390,33 @@ class Session:
         """Start mirroring in the current generation and seed it with the state as it is now."""
         cfg, gen = self.config, self.generation
         mc = cfg.mirror
-        if not (mc.enabled and (mc.replicas > 0 or self.keeper is not None) and gen.world_size > 1):
+        if not (mc.enabled and (mc.replicas > 0 or self.keeper is not None or cfg.retain.tier2 == "stripe")
+                and gen.world_size > 1):
             return
         nodes = node_ranks(control_group)
+        rc = cfg.retain
+        stripe = (rc.k, rc.m) if rc.tier2 == "stripe" else None
         try:
-            holders = place(nodes, mc.replicas)
+            if stripe is not None:
+                try:
+                    rc.check_nodes(len(set(nodes)))
+                    holders = erasure.place_shares(nodes, rc.k, rc.m)
+                except ValueError as exc:
+                    if gen.index == 0:
+                        raise
+                    # A spare of another node took a lost node's rank: the job has fewer nodes
+                    # than the stripe needs. Protect with full copies until it ends (better than
+                    # stopping a job that can go on).
+                    _log(f"rank {gen.rank}: generation {gen.index} cannot stripe ({exc}); tier 2 falls back to "
+                         f"mirror copies (mirror.replicas={max(1, mc.replicas)}) for the rest of the job")
+                    self.events("tier2_degraded", reason=str(exc), nodes=nodes)
+                    stripe = None
+                    holders = place(nodes, max(1, mc.replicas))
+            else:
+                holders = place(nodes, mc.replicas)
         except ValueError as exc:
-            raise ConfigError(f"hotspare.mirror.replicas={mc.replicas}: {exc}") from None
+            key = "retain.k/m" if stripe is not None else f"mirror.replicas={mc.replicas}"
+            raise ConfigError(f"hotspare.{key}: {exc}") from None
         snapshots = None
         if self.keeper is not None:
             def note(text: str) -> None:
@@ -411,7 +433,7 @@ class Session:
         pin = get_accelerator().device_name() != "cpu"
         self.mirror = Mirror(gen.rank, gen.index, holders, GlooTransport(data_group, gen.rank), agree,
                              in_flight=mc.in_flight, chunk_bytes=mc.chunk_bytes, timeout_s=mc.timeout_s,
-                             pin_memory=pin, on_event=self.events, snapshots=snapshots)
+                             pin_memory=pin, on_event=self.events, snapshots=snapshots, stripe=stripe)
         self.events("mirror_start", holders=holders[gen.rank], nodes=nodes, single_node=len(set(nodes)) == 1)
         # The state as it is now is a version too: a failure in the very next step lands here.
         self.mirror.on_step(self.engine.global_steps, self.state.tensors, self.state.meta)
