@@ -52,18 +52,40 @@ def check_km(k: int, m: int) -> None:
         raise ValueError(f"k+m={k + m} must be at most 256 (zfec's limit)")
 
 
+class Striper:
+    """Encodes snapshots of ``nbytes`` into k+m shares, again and again: the k data shares are
+    views of the snapshot itself (of one padded buffer, allocated once, when k does not divide
+    it), only the m parity shares are computed (zfec, which releases the GIL while it runs)."""
+
+    def __init__(self, nbytes: int, k: int, m: int):
+        check_km(k, m)
+        self.nbytes, self.k, self.m = nbytes, k, m
+        self.block = max(1, -(-nbytes // k))
+        self._padded = None if nbytes == k * self.block else np.zeros(k * self.block, dtype=np.uint8)
+        self._encoder = zfec.Encoder(k, k + m)
+
+    def encode(self, data) -> tuple[StripeInfo, list]:
+        """(info, the k+m shares as uint8 arrays); data shares are views: valid while ``data`` is unchanged."""
+        raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        if raw.size != self.nbytes:
+            raise ValueError(f"this striper encodes {self.nbytes} bytes, got {raw.size}")
+        src = raw
+        if self._padded is not None:
+            self._padded[:self.nbytes] = raw
+            src = self._padded
+        b = self.block
+        blocks = [src[i * b:(i + 1) * b] for i in range(self.k)]
+        parity = self._encoder.encode(blocks, list(range(self.k, self.k + self.m)))
+        shares = blocks + [np.frombuffer(p, dtype=np.uint8) for p in parity]
+        info = StripeInfo(self.k, self.m, self.nbytes, b, tuple(_crc(s) for s in shares), _crc(raw))
+        return info, shares
+
+
 def encode(data, k: int, m: int) -> tuple[StripeInfo, list[bytes]]:
     """Cut ``data`` (any buffer: bytes, a uint8 numpy array or tensor's ``.numpy()``) into k+m shares."""
-    check_km(k, m)
-    raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-    nbytes = raw.size
-    block = max(1, -(-nbytes // k))
-    padded = np.zeros(k * block, dtype=np.uint8)
-    padded[:nbytes] = raw
-    blocks = tuple(padded[i * block:(i + 1) * block].tobytes() for i in range(k))
-    shares = [bytes(s) for s in zfec.Encoder(k, k + m).encode(blocks)]
-    info = StripeInfo(k, m, nbytes, block, tuple(_crc(s) for s in shares), _crc(raw))
-    return info, shares
+    striper = Striper(len(memoryview(data).cast("B")), k, m)
+    info, shares = striper.encode(data)
+    return info, [s.tobytes() for s in shares]
 
 
 def decode(info: StripeInfo, shares: Mapping[int, object]) -> bytes:

@@ -136,6 +136,7 @@ class Mirror:
             self.sources = sorted(s for s, hs in holders.items() if s != rank and rank in hs[1:])
         self._share_of = {s: holders[s].index(rank) for s in self.sources} if stripe else {}
         self._share_out: list[torch.Tensor] = []
+        self._striper: erasure.Striper | None = None
         self._headers_out = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in self.holders]
         self.transport, self.control = transport, control
         self.in_flight, self.chunk_bytes, self.timeout_s = in_flight, chunk_bytes, timeout_s
@@ -378,23 +379,31 @@ class Mirror:
         if self.in_flight == "wait":
             self._agree(self._ctrl_bg, busy=False)
         self.stats.rounds += 1
-        self.stats.bytes_sent += sum(t.numel() for t in self._share_out) if self.stripe else \
-            buf.numel() * len(self.holders)
+        if self.stripe is None:
+            self.stats.bytes_sent += buf.numel() * len(self.holders)
         self.stats.round_s += time.perf_counter() - t0
 
     def _send_shares(self, version: int, buf: torch.Tensor) -> list:
-        """Encode ``buf`` into k+m zfec shares and send share j to the holder of share j (j >= 1)."""
+        """Encode ``buf`` into k+m zfec shares and send share j to the holder of share j (j >= 1).
+        Data shares go out as views of ``buf`` (unchanged until the round ends); parity shares
+        through buffers allocated once."""
         k, m = self.stripe
-        info, shares = erasure.encode(buf.numpy(), k, m)
-        if not self._share_out or self._share_out[0].numel() != info.block:
-            self._share_out = [torch.zeros(info.block, dtype=torch.uint8) for _ in self.holders]
+        if self._striper is None or self._striper.nbytes != buf.numel():
+            self._striper = erasure.Striper(buf.numel(), k, m)
+            self._share_out = [torch.zeros(self._striper.block, dtype=torch.uint8) for _ in range(m)]
+        info, shares = self._striper.encode(buf.numpy())
         sends = []
-        for j, (dst, out, header_t) in enumerate(zip(self.holders, self._share_out, self._headers_out), start=1):
-            out.numpy()[:] = np.frombuffer(shares[j], dtype=np.uint8)
+        for j, (dst, header_t) in enumerate(zip(self.holders, self._headers_out), start=1):
+            if j < k:
+                out = torch.from_numpy(shares[j])
+            else:
+                out = self._share_out[j - k]
+                out.numpy()[:] = shares[j]
             Header(self.generation, version, self.rank, info.block, info.share_crcs[j], self.layout.id, share=j,
                    total_nbytes=info.nbytes, total_crc32=info.crc, k=k, m=m).to_tensor(header_t)
             sends.append(self.transport.send(header_t, dst, TAG_HEADER))
             sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(out))
+            self.stats.bytes_sent += out.numel()
         return sends
 
     def _chunks(self, buf: torch.Tensor):
