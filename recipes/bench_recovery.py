@@ -7,6 +7,9 @@ recovered three ways, in one run.
 - ``keeper``: the same, with the node keepers on (the default configuration): the spare on
   the dead rank's node restores its state from the keeper's shared memory, with no network
   transfer of that state (the events say so: ``network_bytes`` is 0).
+- ``stripe``: tier 2 a zfec stripe (``hotspare.retain.k``, ``m``) on k+m logical nodes of one
+  rank each; the rank's whole node is lost (its keeper and spare SIGKILLed with it) and a spare
+  of another node decodes its state from the shares on the surviving nodes.
 - ``deepspeed_restart``: what a DeepSpeed user has today: the job stops, every process is
   started again, ``load_checkpoint`` reads the newest checkpoint (saved every K steps) and the
   steps since are recomputed.
@@ -20,8 +23,9 @@ recovered three ways, in one run.
 JSON: for each way ``detect_s``, ``rebuild_s``, ``restore_s``, ``recompute_s``, ``total_s``
 (fault to the moment training is back at the progress it had when the fault struck) and
 ``lost_iterations``; top level ``speedup`` (deepspeed_restart / hotspare total),
-``speedup_vs_memory_restart``, ``keeper_speedup`` (deepspeed_restart / keeper total) and
-``bitwise_identical`` (the in-place runs against an uninterrupted one). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
+``speedup_vs_memory_restart``, ``keeper_speedup`` (deepspeed_restart / keeper total),
+``stripe_speedup`` (against the 4-rank restart: the stripe job has k+m ranks) and
+``bitwise_identical`` (every in-place run against an uninterrupted one of its size). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_job  # noqa: E402
 from hotspare.config import ConfigError, from_mapping  # noqa: E402
 
-WAYS = ("hotspare", "keeper", "deepspeed_restart", "memory_restart")
+WAYS = ("hotspare", "keeper", "stripe", "deepspeed_restart", "memory_restart")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recovery_worker.py")
 
 
@@ -97,12 +101,21 @@ def _regained(ranks: list[dict], progress: int) -> float:
     return max(r["step_end"][str(progress - 1)] for r in ranks)
 
 
-def run_hotspare(job, bench, out_dir, keeper: bool) -> tuple[dict, list[dict]]:
+def stripe_job(job):
+    """The job on k+m logical nodes of one rank each, tier 2 a stripe."""
+    rc = job.hotspare.retain
+    n = rc.k + rc.m
+    return dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, num_ranks=n, logical_nodes=n),
+                               hotspare=dataclasses.replace(job.hotspare,
+                                                            retain=dataclasses.replace(rc, tier2="stripe")))
+
+
+def run_hotspare(job, bench, out_dir, keeper: bool, lose_node: bool = False) -> tuple[dict, list[dict]]:
     retain = dataclasses.replace(job.hotspare.retain, keeper=keeper)
     job = dataclasses.replace(job, hotspare=dataclasses.replace(job.hotspare, events_dir=os.path.join(out_dir, "events"),
                                                                 retain=retain))
     code = gpt_job.launch(job, out_dir, worker=WORKER, spares_per_node=1, keeper=keeper, mode="hotspare",
-                          kill_rank=bench.kill_rank, kill_step=bench.kill_step)
+                          kill_rank=bench.kill_rank, kill_step=bench.kill_step, lose_node=lose_node)
     if code != 0:
         raise RuntimeError(f"the hotspare run failed (exit {code}); see its output above")
     fault = json.load(open(os.path.join(out_dir, "fault.json"), encoding="utf-8"))
@@ -155,18 +168,25 @@ def main(cfg) -> None:
     job = from_mapping(gpt_job.GPTJobConfig, job_data)
     result = {"kill_rank": bench.kill_rank, "kill_step": bench.kill_step, "steps": bench.train.steps,
               "zero_stage": bench.zero.stage, "num_ranks": bench.parallel.num_ranks}
-    in_place = [w for w in ("hotspare", "keeper") if w in bench.ways]
+    in_place = [w for w in ("hotspare", "keeper", "stripe") if w in bench.ways]
+    refs = {}
+    identical = []
+    for way in in_place:
+        way_job = stripe_job(job) if way == "stripe" else job
+        key = way_job.parallel.num_ranks
+        if key not in refs:
+            ref_dir = os.path.join(run_dir, f"uninterrupted-{key}ranks")
+            if gpt_job.launch(way_job, ref_dir, worker=WORKER, mode="hotspare") != 0:
+                sys.exit("bench_recovery: the uninterrupted run failed; see its output above")
+            refs[key] = _ranks(ref_dir)
+        ref = refs[key]
+        result[way], ranks = run_hotspare(way_job, bench, os.path.join(run_dir, way), keeper=way != "hotspare",
+                                          lose_node=way == "stripe")
+        result[way]["num_ranks"] = key
+        identical.append(len(ranks) == len(ref) and all(
+            (a["fp32_digest"], a["optimizer_digest"]) == (b["fp32_digest"], b["optimizer_digest"])
+            and all(a["losses"][k] == b["losses"][k] for k in b["losses"]) for a, b in zip(ref, ranks)))
     if in_place:
-        ref_dir = os.path.join(run_dir, "uninterrupted")
-        if gpt_job.launch(job, ref_dir, worker=WORKER, mode="hotspare") != 0:
-            sys.exit("bench_recovery: the uninterrupted run failed; see its output above")
-        ref = _ranks(ref_dir)
-        identical = []
-        for way in in_place:
-            result[way], ranks = run_hotspare(job, bench, os.path.join(run_dir, way), keeper=way == "keeper")
-            identical.append(len(ranks) == len(ref) and all(
-                (a["fp32_digest"], a["optimizer_digest"]) == (b["fp32_digest"], b["optimizer_digest"])
-                and all(a["losses"][k] == b["losses"][k] for k in b["losses"]) for a, b in zip(ref, ranks)))
         result["bitwise_identical"] = all(identical)
     if "deepspeed_restart" in bench.ways:
         ckpt = bench.checkpoint_dir or os.path.join(run_dir, "checkpoints")
@@ -181,7 +201,8 @@ def main(cfg) -> None:
     for base, way, key in (("deepspeed_restart", "hotspare", "speedup"),
                            ("memory_restart", "hotspare", "speedup_vs_memory_restart"),
                            ("deepspeed_restart", "keeper", "keeper_speedup"),
-                           ("memory_restart", "keeper", "keeper_speedup_vs_memory_restart")):
+                           ("memory_restart", "keeper", "keeper_speedup_vs_memory_restart"),
+                           ("deepspeed_restart", "stripe", "stripe_speedup")):
         if base in result and way in result:
             result[key] = result[base]["total_s"] / result[way]["total_s"]
     with open(bench.out, "w", encoding="utf-8") as f:
@@ -193,7 +214,7 @@ def main(cfg) -> None:
             print(f"{way:<20}{r['detect_s']:9.2f}{r['rebuild_s']:9.2f}{r['restore_s']:9.2f}{r['recompute_s']:11.2f}"
                   f"{r['total_s']:9.2f}{r['lost_iterations']:6d}")
     for key in ("speedup", "speedup_vs_memory_restart", "keeper_speedup", "keeper_speedup_vs_memory_restart",
-                "bitwise_identical"):
+                "stripe_speedup", "bitwise_identical"):
         if key in result:
             print(f"{key}: {result[key]}")
     print(f"wrote {bench.out}")

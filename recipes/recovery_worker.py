@@ -24,6 +24,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 
 import hotspare  # noqa: E402
+from hotspare import faults  # noqa: E402
 from hotspare.env import make_deterministic  # noqa: E402
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors  # noqa: E402
 from hotspare.testing.data import ByteSampler, load_corpus  # noqa: E402
@@ -72,6 +73,8 @@ def main() -> int:
         if first and rank == run.get("kill_rank") and step == run.get("kill_step") and worker_id() == f"a{rank}":
             with open(os.path.join(out_dir, "fault.json"), "w", encoding="utf-8") as f:
                 json.dump({"t": time.monotonic(), "rank": rank, "step": step}, f)
+            if run.get("lose_node"):
+                faults.lose_node()  # the rank's whole logical node: its keeper and spares too
             os.kill(os.getpid(), signal.SIGKILL)
         for micro in range(accum):
             tokens, targets = sampler.batch(step * accum + micro, rank)

@@ -23,12 +23,13 @@ def test_bench_recovery_writes_its_json(tmp_path, no_leaks):
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for way in ("hotspare", "keeper", "deepspeed_restart", "memory_restart"):
+    for way in ("hotspare", "keeper", "stripe", "deepspeed_restart", "memory_restart"):
         assert KEYS <= set(r[way]), way
         assert r[way]["total_s"] > 0
     assert r["bitwise_identical"] is True
     assert r["hotspare"]["lost_iterations"] <= 1 and r["keeper"]["lost_iterations"] <= 1
     assert r["keeper"]["network_bytes"] == 0 and r["keeper"]["sources"] == ["keeper"]
     assert r["hotspare"]["network_bytes"] > 0 and r["hotspare"]["sources"] == ["peers"]
+    assert r["stripe"]["sources"] == ["stripe"] and r["stripe"]["lost_iterations"] <= 1
     assert r["deepspeed_restart"]["lost_iterations"] == 4 and r["memory_restart"]["lost_iterations"] == 0
     assert r["speedup"] > 0 and r["speedup_vs_memory_restart"] > 0

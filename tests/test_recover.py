@@ -195,6 +195,7 @@ def _restores(out, generation) -> dict[int, dict]:
     return {e["rank"]: e for e in events(out) if e["kind"] == "restore" and e["generation"] == generation}
 
 
+@pytest.mark.slow  # make test runs the other cut point (between commit records) below; the unit tests all three
 def test_a_trainer_killed_inside_its_keeper_update_recovers_from_the_keeper(tmp_path, tmp_path_factory, no_leaks):
     """Rank 1 dies in the middle of writing step 2's snapshot into its keeper segment; later rank 2
     dies after writing step 4's, before its first chunk's commit record. Each time the spare on

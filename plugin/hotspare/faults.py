@@ -8,6 +8,10 @@ test arms a point in the process that should fail::
 Points: ``snapshot_write`` (index: segments of the snapshot written so far in a capture),
 ``keeper_commit`` (index: chunks of a retained update committed so far). Actions: ``kill``
 (SIGKILL, like an OOM kill or a crash), ``hang`` (SIGSTOP), ``raise`` (RuntimeError).
+
+:func:`lose_node` stands for the loss of a whole (logical) node under ``hotspare-run
+--logical-nodes``: it SIGKILLs every process of this worker's node, keeper and spares
+included, then this one.
 """
 from __future__ import annotations
 
@@ -44,3 +48,25 @@ def hit(point: str, index: int = 0) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
         raise RuntimeError(f"injected fault at {point}[{index}]")
+
+
+def lose_node() -> None:
+    """SIGKILL this worker's (logical) node: its keeper and its spares (siblings under the same
+    launcher), then this process. Other active ranks of the node are left to the caller."""
+    import psutil
+
+    from . import env
+
+    node = os.environ.get(env.HOTSPARE_NODE_RANK, "0")
+    for p in psutil.Process(os.getppid()).children():
+        if p.pid == os.getpid():
+            continue
+        try:
+            cmd, environ = p.cmdline(), p.environ()
+        except psutil.Error:
+            continue
+        is_keeper = "hotspare.keeper" in cmd and "--node" in cmd and cmd[cmd.index("--node") + 1] == node
+        is_spare = environ.get(env.HOTSPARE_ROLE) == "spare" and environ.get(env.HOTSPARE_NODE_RANK) == node
+        if is_keeper or is_spare:
+            p.kill()
+    os.kill(os.getpid(), signal.SIGKILL)

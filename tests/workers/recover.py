@@ -42,23 +42,6 @@ def digest(tensors) -> str:
 KEEPER_FAULTS = {"write": ("snapshot_write", 2), "commit0": ("keeper_commit", 0), "commit1": ("keeper_commit", 1)}
 
 
-def lose_node() -> None:
-    """SIGKILL every process of this logical node (its spares, its keeper), then this one."""
-    import psutil
-
-    node = os.environ["HOTSPARE_NODE_RANK"]
-    for p in psutil.Process(os.getppid()).children():
-        try:
-            cmd, env = p.cmdline(), p.environ()
-        except psutil.Error:
-            continue
-        is_keeper = "hotspare.keeper" in cmd and cmd[cmd.index("--node") + 1] == node
-        is_spare = env.get("HOTSPARE_ROLE") == "spare" and env.get("HOTSPARE_NODE_RANK") == node
-        if (is_keeper or is_spare) and p.pid != os.getpid():
-            p.kill()
-    die()
-
-
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -112,7 +95,7 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
             if phase == "forward":
                 die()
             if phase == "node":
-                lose_node()
+                fault_points.lose_node()
             if phase == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)  # hung: its launcher sees no heartbeat and kills it
             if phase == "wedge":
