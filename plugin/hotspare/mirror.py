@@ -370,8 +370,9 @@ class Mirror:
             for dst in self.holders:
                 sends.append(self.transport.send(self._header_out, dst, TAG_HEADER))
                 sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(buf))
-        elif self.holders:
-            sends = self._send_shares(version, buf)
+            sent = buf.numel() * len(self.holders)
+        else:
+            sends, sent = self._send_shares(version, buf) if self.holders else ([], 0)
         for src in self.sources:
             self._receive(src, version)
         for h in sends:
@@ -379,12 +380,12 @@ class Mirror:
         if self.in_flight == "wait":
             self._agree(self._ctrl_bg, busy=False)
         self.stats.rounds += 1
-        if self.stripe is None:
-            self.stats.bytes_sent += buf.numel() * len(self.holders)
+        self.stats.bytes_sent += sent
         self.stats.round_s += time.perf_counter() - t0
 
-    def _send_shares(self, version: int, buf: torch.Tensor) -> list:
-        """Encode ``buf`` into k+m zfec shares and send share j to the holder of share j (j >= 1).
+    def _send_shares(self, version: int, buf: torch.Tensor) -> tuple[list, int]:
+        """Encode ``buf`` into k+m zfec shares and send share j to the holder of share j (j >= 1);
+        returns the send handles and the bytes sent.
         Data shares go out as views of ``buf`` (unchanged until the round ends); parity shares
         through buffers allocated once."""
         k, m = self.stripe
@@ -392,7 +393,7 @@ class Mirror:
             self._striper = erasure.Striper(buf.numel(), k, m)
             self._share_out = [torch.zeros(self._striper.block, dtype=torch.uint8) for _ in range(m)]
         info, shares = self._striper.encode(buf.numpy())
-        sends = []
+        sends, sent = [], 0
         for j, (dst, header_t) in enumerate(zip(self.holders, self._headers_out), start=1):
             if j < k:
                 out = torch.from_numpy(shares[j])
@@ -403,8 +404,8 @@ class Mirror:
                    total_nbytes=info.nbytes, total_crc32=info.crc, k=k, m=m).to_tensor(header_t)
             sends.append(self.transport.send(header_t, dst, TAG_HEADER))
             sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(out))
-            self.stats.bytes_sent += out.numel()
-        return sends
+            sent += out.numel()
+        return sends, sent
 
     def _chunks(self, buf: torch.Tensor):
         return [buf[i:i + self.chunk_bytes] for i in range(0, buf.numel(), self.chunk_bytes)]

@@ -250,8 +250,7 @@ class Session:
         new_ranks = sorted({int(r) for r in plan.replaced} | {r for r, h in enumerate(holdings) if not h.own})
         pending = target = lost = None
         try:
-            stripe_k = retained.stripe[0] if retained is not None and retained.stripe else cfg.retain.k
-            target = choose_version(holdings, new_ranks, stripe_k=stripe_k if cfg.retain.tier2 == "stripe" else 0)
+            target = choose_version(holdings, new_ranks, stripe_k=cfg.retain.k if cfg.retain.tier2 == "stripe" else 0)
         except NoConsistentVersion as exc:
             lost = exc
         else:
@@ -312,22 +311,19 @@ class Session:
         holders of its mirror (``pending``: the transfer started before the host's groups were built)."""
         rank = self.generation.rank
         received, moved = pending.wait()
-        if target.sources[rank] == (KEEPER,):
+        first = target.sources[rank][0]
+        if first == KEEPER:
             segment, good = self._kept
-            buf = segment.slots[good[target.version]]
-            self.state.restore(buf, self.state.layout_for(segment.layout_id))
-            self.state.resync()
-            return target.version, {"source": "keeper", **moved}
-        if received is not None:
-            buf, layout = received
+            buf, layout, source = segment.slots[good[target.version]], self.state.layout_for(segment.layout_id), "keeper"
+        elif received is not None:
+            (buf, layout), source = received, "stripe" if first == STRIPE else "peers"
         else:
             buf = retained.own_snapshot(target.version) if retained is not None else None
-            layout = retained.layout if retained is not None else None
+            layout, source = (retained.layout if retained is not None else None), "self"
             if buf is None:
                 raise RecoveryError(f"rank {rank} has no snapshot of version {target.version} to restore")
         self.state.restore(buf, layout)
         self.state.resync()
-        source = "self" if received is None else "stripe" if target.sources[rank][0] == STRIPE else "peers"
         return target.version, {"source": source, **moved}
 
     def _fall_back(self, lost: NoConsistentVersion, control_group) -> tuple[int, dict]:
