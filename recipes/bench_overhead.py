@@ -7,8 +7,10 @@ needs k+m nodes).
     python recipes/bench_overhead.py out=o.json stages=[2] model=small train.steps=400 block=25
 
 Writes one JSON object: ``stages`` -> {stage: {baseline_step_s, mirror_step_s, overhead,
-mirror_bytes_per_step, unique_bytes_per_param, waits, skips, ..., stripe_step_s,
-stripe_baseline_step_s, stripe_overhead, tier2_memory_ratio: {mirror, stripe}}}, where the
+mirror_bytes_per_step, unique_bytes_per_param, waits, skips, capture_ms_per_round (the training
+thread's copy), round_ms_per_round and round_cpu_ms_per_round (the mirror thread's wall and
+CPU time), ..., stripe_step_s, stripe_baseline_step_s, stripe_overhead, stripe_*_ms_per_round,
+tier2_memory_ratio: {mirror, stripe}}}, where the
 memory ratio is the bytes held for tier 2 (own copy or share plus what peers hold) over the
 unique state's bytes, measured from what the mirrors hold; prints a table.
 """
@@ -67,8 +69,9 @@ def measure(result_ranks: list[dict], block: int) -> dict:
         "mirror_bytes_per_step": sum(x["snapshot_bytes"] * len(x["holders"]) for x in mirrors),
         "unique_bytes_per_param": mirrors[0]["unique_bytes_per_param"],
         "waits": sum(x["waits"] for x in mirrors), "skips": sum(x["skips"] for x in mirrors),
-        "rounds": mirrors[0]["rounds"], "capture_ms_per_round": 1e3 * statistics.fmean(
-            x["capture_s"] / max(1, x["rounds"]) for x in mirrors),
+        "rounds": mirrors[0]["rounds"],
+        **{f"{key}_ms_per_round": 1e3 * statistics.fmean(x[f"{key}_s"] / max(1, x["rounds"]) for x in mirrors)
+           for key in ("capture", "round", "round_cpu")},
         "measured_steps": {"baseline": len(base), "mirror": len(mirr)},
     }
 
@@ -101,7 +104,9 @@ def main(cfg) -> None:
                 sys.exit(f"bench_overhead: the ZeRO-{stage} stripe run failed; see its output above")
             s = measure(gpt_job.collect(out_dir, n), bench.block)
             r.update(stripe_step_s=s["mirror_step_s"], stripe_baseline_step_s=s["baseline_step_s"],
-                     stripe_overhead=s["overhead"], stripe_num_ranks=n, stripe_k=retain.k, stripe_m=retain.m)
+                     stripe_overhead=s["overhead"], stripe_capture_ms_per_round=s["capture_ms_per_round"],
+                     stripe_round_ms_per_round=s["round_ms_per_round"],
+                     stripe_round_cpu_ms_per_round=s["round_cpu_ms_per_round"], stripe_num_ranks=n, stripe_k=retain.k, stripe_m=retain.m)
             r["tier2_memory_ratio"]["stripe"] = s["tier2_memory_ratio"]
         results[str(stage)] = r
     report = {"stages": results, "num_ranks": bench.parallel.num_ranks, "model": OmegaConf.to_container(cfg.model),

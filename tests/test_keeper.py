@@ -32,7 +32,8 @@ def test_a_keeper_serves_segments_and_removes_them_when_stopped(tmp_path, no_lea
         seg, note = client.open(1, layout_id=9, nbytes=10000, chunk_bytes=4096)
         assert note == "" and seg.rank == 1 and len(ours(job)) == 1
         seg.slots[0][:4] = 7
-        seg.commit(0, 3, 0)
+        seg.seal(0, 3, 0)
+        seg.commit(0, 3)
         seen = client.lookup(1)  # another process on the node (a spare) sees the same bytes
         assert seen.complete_versions() == {3: 0} and int(seen.slots[0][2]) == 7
         assert client.lookup(0) is None

@@ -195,14 +195,14 @@ def _restores(out, generation) -> dict[int, dict]:
     return {e["rank"]: e for e in events(out) if e["kind"] == "restore" and e["generation"] == generation}
 
 
-@pytest.mark.slow  # make test runs the other cut point (between commit records) below; the unit tests all three
+@pytest.mark.slow  # make test runs the cut points after the seal below; the unit tests every one
 def test_a_trainer_killed_inside_its_keeper_update_recovers_from_the_keeper(tmp_path, tmp_path_factory, no_leaks):
     """Rank 1 dies in the middle of writing step 2's snapshot into its keeper segment; later rank 2
-    dies after writing step 4's, before its first chunk's commit record. Each time the spare on
-    the dead rank's node takes the version its keeper holds complete (the one before), no state
+    dies after writing step 4's, between two of its seal records. Each time the spare on the
+    dead rank's node takes the version its keeper holds complete (the one before), no state
     byte crosses the network, and training finishes bitwise identical."""
     ref = reference(tmp_path_factory, 2, 1)
-    code, got = run(tmp_path / "out", 2, kill="1:2:0:write,2:4:0:commit0")
+    code, got = run(tmp_path / "out", 2, kill="1:2:0:write,2:4:0:seal")
     assert code == 0
     assert got[1]["worker"] == "s0.0" and got[2]["worker"] == "s1.0"
     assert_bitwise(ref, got, {0: 2, 1: 2, 2: 1, 3: 2})
@@ -216,15 +216,21 @@ def test_a_trainer_killed_inside_its_keeper_update_recovers_from_the_keeper(tmp_
         assert a["verified"] == [restores[rank]["version"]] and a["corrupt_chunks"] == {}, a
 
 
-def test_between_commit_records_and_a_corrupted_keeper_copy(tmp_path, tmp_path_factory, no_leaks):
-    """Rank 3 dies between the commit records of two chunks (recovered from its keeper, at the
-    version before); later rank 0's keeper copies are corrupted before it dies: the spare's
-    checksums reject them, and it is restored from its peers' mirror instead."""
+def test_after_the_seal_and_a_corrupted_keeper_copy(tmp_path, tmp_path_factory, no_leaks):
+    """Rank 3 dies in its mirror round between the checksum records of two chunks: step 2's
+    update was sealed right after the step, so the spare restores it from the keeper (chunk 0
+    checked, the rest reported unverified) and no iteration is lost. Later rank 0's keeper copies
+    are corrupted (after their checksums) before it dies: the spare's checks reject them, and it
+    is restored from its peers' mirror instead."""
     ref = reference(tmp_path_factory, 2, 1)
     code, got = run(tmp_path / "out", 2, kill="3:2:0:commit1,0:4:0:corrupt")
     assert code == 0
     assert_bitwise(ref, got, {0: 1, 1: 2, 2: 2, 3: 2})
-    assert _restores(tmp_path / "out", 1)[3]["source"] == "keeper"
+    first = _restores(tmp_path / "out", 1)
+    assert first[3]["source"] == "keeper" and first[3]["version"] == 3, first[3]  # the state after step 2
+    assert all(r["version"] == 3 for r in first.values()), first
+    (attach,) = [e for e in events(tmp_path / "out") if e["kind"] == "keeper_attach" and e["generation"] == 1]
+    assert 3 in attach["verified"] and attach["unverified_chunks"].get("3", 0) > 0, attach
     second = _restores(tmp_path / "out", 2)
     assert second[0]["source"] == "peers" and second[0]["bytes_in"] > 0, second[0]
     (attach,) = [e for e in events(tmp_path / "out") if e["kind"] == "keeper_attach" and e["generation"] == 2]

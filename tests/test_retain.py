@@ -29,7 +29,8 @@ def write(seg: RetainedSegment, slot: int, layout: Layout, named, version: int, 
     seg.begin(slot)
     for view, (_, t) in zip(layout.views(seg.slots[slot]), named):
         view.copy_(t.reshape(-1))
-    seg.commit(slot, version, generation)
+    seg.seal(slot, version, generation)
+    seg.commit(slot, version)
 
 
 @pytest.fixture
@@ -53,9 +54,9 @@ def test_a_new_segment_holds_no_version_and_commits_make_one(segment, tmp_path):
     again.close()
 
 
-@pytest.mark.parametrize("point,at", [("snapshot", None), ("keeper_commit", 0), ("keeper_commit", 2)])
-def test_an_update_cut_anywhere_leaves_the_version_before_intact(segment, point, at):
-    """Killed while the bytes are written, before the first commit record, or between two: the
+@pytest.mark.parametrize("point,at", [("snapshot", None), ("keeper_seal", 0), ("keeper_seal", 2)])
+def test_an_update_cut_before_its_seal_leaves_the_version_before_intact(segment, point, at):
+    """Killed while the bytes are written, before the first seal record, or between two: the
     slot being written never counts, the other slot still holds the previous version."""
     seg, layout = segment
     write(seg, 0, layout, layout_and_state(1)[1], version=1)
@@ -69,10 +70,50 @@ def test_an_update_cut_anywhere_leaves_the_version_before_intact(segment, point,
             view.copy_(t.reshape(-1))
         faults.arm(point, at=at, action="raise")
         with pytest.raises(RuntimeError, match="injected fault"):
-            seg.commit(1, 2, 0)
+            seg.seal(1, 2, 0)
         assert (seg.records[1, :at, 0] == 2).all() and (seg.records[1, at:, 0] == EMPTY).all()
     assert seg.complete_versions() == {1: 0} and seg.verified_versions() == {1: 0}
     assert seg.versions_by_slot() == [1, EMPTY]
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_an_update_cut_between_its_seal_and_its_checksums_leaves_the_new_version(segment, at):
+    """Sealed, then killed before (or between) the checksum records: the new version counts, its
+    chunks without a checksum are reported unverified, a corrupted checksummed one still fails."""
+    seg, layout = segment
+    write(seg, 0, layout, layout_and_state(1)[1], version=1)
+    _, named = layout_and_state(2)
+    seg.begin(1)
+    for view, (_, t) in zip(layout.views(seg.slots[1]), named):
+        view.copy_(t.reshape(-1))
+    seg.seal(1, 2, 0)
+    faults.arm("keeper_commit", at=at, action="raise")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        seg.commit(1, 2)
+    assert seg.complete_versions() == {1: 0, 2: 1} and seg.verified_versions() == {1: 0, 2: 1}
+    assert seg.unverified(1) == list(range(at, seg.num_chunks)) and seg.unverified(0) == []
+    if at:
+        seg.slots[1][0] ^= 0x01  # chunk 0 has its checksum: caught
+        assert seg.verify(1) == [0] and seg.verified_versions() == {1: 0}
+
+
+def test_checksums_given_by_the_round_are_the_chunks_crcs(segment):
+    """The mirror hands commit the chunk CRCs from its own pass (hotspare.checksum); they must be
+    what verify computes, and a wrong count is refused."""
+    from hotspare import checksum
+
+    seg, layout = segment
+    _, named = layout_and_state(3)
+    seg.begin(0)
+    for view, (_, t) in zip(layout.views(seg.slots[0]), named):
+        view.copy_(t.reshape(-1))
+    seg.seal(0, 3, 0)
+    buf = seg.slots[0].numpy()
+    pieces = checksum.Pieces(buf, checksum.cuts(buf.size, CHUNK, 1000))
+    with pytest.raises(ValueError, match="chunk checksums"):
+        seg.commit(0, 3, [0])
+    seg.commit(0, 3, pieces.grid(CHUNK))
+    assert seg.unverified(0) == [] and seg.verify(0) == [] and seg.verified_versions() == {3: 0}
 
 
 def test_overwriting_a_slot_forgets_its_old_version_before_the_first_byte(segment):
@@ -106,10 +147,12 @@ def test_a_file_that_is_not_a_segment_is_refused(tmp_path):
 def test_frozen_segments_write_no_more_commit_records(segment):
     seg, layout = segment
     write(seg, 0, layout, layout_and_state(1)[1], version=1)
+    write(seg, 1, layout, layout_and_state(2)[1], version=2)
     seg.begin(1)
+    seg.seal(1, 3, 0)
     seg.freeze()
-    seg.commit(1, 2, 0)
-    assert seg.complete_versions() == {1: 0}
+    seg.commit(1, 3)
+    assert seg.complete_versions() == {1: 0, 3: 1} and seg.unverified(1) == list(range(seg.num_chunks))
 
 
 # ---- one contract over both places a mirror's own snapshots live ----------------------------------

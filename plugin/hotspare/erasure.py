@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import zfec
 
+from . import checksum
+
 
 class ErasureError(RuntimeError):
     """Too few good shares to rebuild a snapshot; the message says which are missing or bad."""
@@ -64,8 +66,12 @@ class Striper:
         self._padded = None if nbytes == k * self.block else np.zeros(k * self.block, dtype=np.uint8)
         self._encoder = zfec.Encoder(k, k + m)
 
-    def encode(self, data) -> tuple[StripeInfo, list]:
-        """(info, the k+m shares as uint8 arrays); data shares are views: valid while ``data`` is unchanged."""
+    def encode(self, data, pieces: checksum.Pieces | None = None) -> tuple[StripeInfo, list]:
+        """(info, the k+m shares as uint8 arrays); data shares are views: valid while ``data`` is unchanged.
+
+        ``pieces``: ``data``'s piece checksums cut at least at every multiple of :attr:`block`
+        (the caller read the bytes once already); the data shares' and the whole snapshot's
+        CRCs come from them, so only the parity shares are read for theirs."""
         raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         if raw.size != self.nbytes:
             raise ValueError(f"this striper encodes {self.nbytes} bytes, got {raw.size}")
@@ -77,7 +83,17 @@ class Striper:
         blocks = [src[i * b:(i + 1) * b] for i in range(self.k)]
         parity = self._encoder.encode(blocks, list(range(self.k, self.k + self.m)))
         shares = blocks + [np.frombuffer(p, dtype=np.uint8) for p in parity]
-        info = StripeInfo(self.k, self.m, self.nbytes, b, tuple(_crc(s) for s in shares), _crc(raw))
+        if pieces is None:
+            data_crcs, whole = [_crc(s) for s in blocks], _crc(raw)
+        else:
+            n, data_crcs = self.nbytes, []
+            for lo in range(0, self.k * b, b):
+                crc = pieces.crc(min(lo, n), min(lo + b, n))
+                pad = lo + b - max(lo, n)  # zero padding at the end (fewer than k bytes in all)
+                data_crcs.append(checksum.crc32(bytes(pad), crc) if pad > 0 else crc)
+            whole = pieces.whole()
+        info = StripeInfo(self.k, self.m, self.nbytes, b, tuple(data_crcs) + tuple(_crc(p) for p in shares[self.k:]),
+                          whole)
         return info, shares
 
 

@@ -304,8 +304,9 @@ class KeeperClient:
 
     def take_over(self, rank: int, layout_for) -> tuple[RetainedSegment | None, dict[int, int], dict]:
         """What this node's keeper retained of ``rank`` (a dead rank whose place this spare takes):
-        (segment, {version: slot} of the complete versions whose every chunk passes its checksum,
-        details for the event log). ``layout_for(layout_id)`` is this engine's layout with that
+        (segment, {version: slot} of the complete versions whose every chunk passes its checksum
+        or was sealed by a writer that died before checksumming it (``unverified_chunks``; see
+        :mod:`hotspare.retain`), details for the event log). ``layout_for(layout_id)`` is this engine's layout with that
         id, or None: a segment of another layout is not used."""
         segment = self.lookup(rank)
         if segment is None:
@@ -317,8 +318,10 @@ class KeeperClient:
         complete = segment.complete_versions()
         corrupt = {v: segment.verify(s) for v, s in complete.items()}
         good = {v: s for v, s in complete.items() if not corrupt[v]}
+        pending = {str(v): len(segment.unverified(s)) for v, s in good.items()}
         return segment, good, {"retained": True, "complete": sorted(complete), "verified": sorted(good),
-                               "corrupt_chunks": {str(v): c for v, c in corrupt.items() if c}}
+                               "corrupt_chunks": {str(v): c for v, c in corrupt.items() if c},
+                               "unverified_chunks": {v: n for v, n in pending.items() if n}}
 
 
 def start(job_id: str, node: int, sock_path: str, shm_dir: str = SHM_DIR, timeout_s: float = 30.0):

@@ -21,7 +21,13 @@ the header's. After the swap the second buffer still holds the copy committed be
 A rank's own two snapshots live in buffers a :class:`Snapshots` provider gives: its private
 memory (:class:`PrivateSnapshots`), or its node keeper's shared memory
 (:class:`hotspare.retain.RetainedSnapshots`), where every update is a chunk-level
-transaction: ``begin`` before the capture writes a buffer, ``commit`` when its round starts.
+transaction: ``begin`` before the capture writes a buffer, ``seal`` right after it (still on
+the training thread: a trainer killed after its step leaves that version behind), ``commit``
+(the chunks' checksums) when its round starts.
+
+A round reads its snapshot once for every checksum it needs (:mod:`hotspare.checksum`): the
+whole buffer's for the header, each keeper chunk's for the commit records, each data share's
+with a stripe.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import erasure, faults
+from . import checksum, erasure, faults
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
 from .transport import Transport
 
@@ -59,6 +65,8 @@ class MirrorStats:
     capture_s: float = 0.0
     round_s: float = 0.0
     """Seconds the rounds took, sends and receives together (bytes_sent / round_s: a send rate)."""
+    round_cpu_s: float = 0.0
+    """CPU seconds the mirror thread spent in its rounds (what it takes from the trainer's cores)."""
 
     @property
     def send_rate(self) -> float:
@@ -88,6 +96,8 @@ class Snapshots:
 
     retained = False
     """Whether the buffers outlive this process (a keeper's shared memory)."""
+    chunk_bytes: int | None = None
+    """The chunk size whose checksums :meth:`commit` takes (None: it takes none)."""
 
     def __init__(self, buffers: list[torch.Tensor]):
         self.buffers = buffers
@@ -99,8 +109,11 @@ class Snapshots:
     def begin(self, slot: int) -> None:
         """Buffer ``slot`` is about to be overwritten."""
 
-    def commit(self, slot: int, version: int, generation: int) -> None:
-        """Buffer ``slot`` holds ``version`` now (called by the round, off the training thread)."""
+    def seal(self, slot: int, version: int, generation: int) -> None:
+        """Buffer ``slot`` holds all of ``version`` now (the training thread, right after the capture)."""
+
+    def commit(self, slot: int, version: int, chunk_crcs: list[int]) -> None:
+        """The CRC-32 of each ``chunk_bytes`` chunk of sealed ``version`` (the round, off the training thread)."""
 
     def freeze(self) -> None:
         """No commit after this (the generation failed)."""
@@ -137,6 +150,7 @@ class Mirror:
         self._share_of = {s: holders[s].index(rank) for s in self.sources} if stripe else {}
         self._share_out: list[torch.Tensor] = []
         self._striper: erasure.Striper | None = None
+        self._cuts: list[int] | None = None
         self._headers_out = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in self.holders]
         self.transport, self.control = transport, control
         self.in_flight, self.chunk_bytes, self.timeout_s = in_flight, chunk_bytes, timeout_s
@@ -227,6 +241,7 @@ class Mirror:
         write_meta(self._own[slot], self.layout, meta)
         if self._synchronize is not None:
             self._synchronize()  # the non_blocking device-to-host copies must land before the round reads them
+        self.snapshots.seal(slot, version, self.generation)
         self._own_version[slot] = version
         return slot
 
@@ -236,6 +251,7 @@ class Mirror:
             self.snapshots.close()
         self.layout = Layout.of(named)
         self.snapshots = self._make_snapshots(self.layout)
+        self._cuts = None
         self._own = self.snapshots.buffers
         self._own_views = [self.layout.views(b) for b in self._own]
         self._own_version = self.snapshots.versions()
@@ -360,19 +376,21 @@ class Mirror:
             self._idle.set()
 
     def _round(self, version: int, slot: int) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         buf = self._own[slot]
-        self.snapshots.commit(slot, version, self.generation)
+        pieces = self._checksums(buf)
+        if self.snapshots.chunk_bytes is not None:
+            self.snapshots.commit(slot, version, pieces.grid(self.snapshots.chunk_bytes))
         sends = []
         if self.stripe is None:
-            header = Header(self.generation, version, self.rank, buf.numel(), crc32(buf), self.layout.id)
+            header = Header(self.generation, version, self.rank, buf.numel(), pieces.whole(), self.layout.id)
             header.to_tensor(self._header_out)
             for dst in self.holders:
                 sends.append(self.transport.send(self._header_out, dst, TAG_HEADER))
                 sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(buf))
             sent = buf.numel() * len(self.holders)
         else:
-            sends, sent = self._send_shares(version, buf) if self.holders else ([], 0)
+            sends, sent = self._send_shares(version, buf, pieces) if self.holders else ([], 0)
         for src in self.sources:
             self._receive(src, version)
         for h in sends:
@@ -382,8 +400,18 @@ class Mirror:
         self.stats.rounds += 1
         self.stats.bytes_sent += sent
         self.stats.round_s += time.perf_counter() - t0
+        self.stats.round_cpu_s += time.thread_time() - c0
 
-    def _send_shares(self, version: int, buf: torch.Tensor) -> tuple[list, int]:
+    def _checksums(self, buf: torch.Tensor) -> checksum.Pieces:
+        """One pass over ``buf``, cut wherever a checksum this round needs starts or ends."""
+        n = buf.numel()
+        if self._cuts is None or self._cuts[-1] != n:
+            grids = [g for g in (self.snapshots.chunk_bytes,
+                                 -(-n // self.stripe[0]) if self.stripe is not None else None) if g]
+            self._cuts = checksum.cuts(n, *grids)
+        return checksum.Pieces(buf.numpy(), self._cuts)
+
+    def _send_shares(self, version: int, buf: torch.Tensor, pieces: checksum.Pieces) -> tuple[list, int]:
         """Encode ``buf`` into k+m zfec shares and send share j to the holder of share j (j >= 1);
         returns the send handles and the bytes sent.
         Data shares go out as views of ``buf`` (unchanged until the round ends); parity shares
@@ -392,7 +420,7 @@ class Mirror:
         if self._striper is None or self._striper.nbytes != buf.numel():
             self._striper = erasure.Striper(buf.numel(), k, m)
             self._share_out = [torch.zeros(self._striper.block, dtype=torch.uint8) for _ in range(m)]
-        info, shares = self._striper.encode(buf.numpy())
+        info, shares = self._striper.encode(buf.numpy(), pieces)
         sends, sent = [], 0
         for j, (dst, header_t) in enumerate(zip(self.holders, self._headers_out), start=1):
             if j < k:

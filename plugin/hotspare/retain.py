@@ -11,15 +11,27 @@ of ``chunk_bytes``; every (slot, chunk) has one commit record of int64 fields
 1. :meth:`RetainedSegment.begin`: every record of slot s is marked empty (version -1), before
    the first byte of s is written;
 2. the snapshot's bytes are written into s (the mirror's capture, on the training thread);
-3. :meth:`RetainedSegment.commit`: for each chunk in turn, its CRC-32 and generation are
-   written, then its version, last (the version is what makes the record count).
+3. :meth:`RetainedSegment.seal`, on the training thread right after the capture: for each
+   chunk in turn its generation and a pending checksum are written, then its version, last
+   (the version is what makes the record count): a few stores per chunk, no pass over bytes;
+4. :meth:`RetainedSegment.commit`, off the training thread (the mirror round): each chunk's
+   CRC-32 replaces its pending mark.
 
-A chunk is therefore either empty or holds a committed (version, checksum) that matches its
-bytes; slot s holds version v only when every one of its chunks does. A trainer that dies
-anywhere in steps 1-3 leaves s incomplete and the other slot (the version before) intact,
-so :meth:`complete_versions` always names at least one consistent version once the first
-update finished. Readers check each chunk's CRC-32 against its record (:meth:`verify`)
-before the bytes are used; a chunk that fails is never restored from.
+A chunk is therefore empty, or holds version v with a checksum that matches its bytes or is
+still pending; slot s holds version v only when every one of its chunks does. A trainer that
+dies anywhere in steps 1-3 leaves s incomplete and the other slot (the version before)
+intact, so :meth:`complete_versions` always names at least one consistent version once the
+first update was sealed; one that dies in step 4 leaves v complete. Readers check each
+chunk's CRC-32 against its record (:meth:`verify`) before the bytes are used; a chunk that
+fails is never restored from.
+
+A chunk whose checksum is still pending (:meth:`unverified`) was written in full by a writer
+that died before its round checksummed it: the seal comes after the last byte. Its bytes are
+as trustworthy as a surviving rank's own snapshot, which no checksum guards either, and
+restoring them saves the iteration the round had not yet protected; the spare that restores
+them says so (``unverified_chunks`` in its ``keeper_attach`` event). Sealing on the training
+thread is what lets a trainer killed right after its step lose no iteration: the checksum
+pass (about 7x a copy's cost) stays off the critical path.
 
 Writes are plain stores into a shared mapping: they survive the writer's death (the page
 cache keeps them), not the node's (tier 2, the peers' mirrors or stripes, covers that).
@@ -42,6 +54,8 @@ HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8q")
 RECORD_FIELDS = 3  # version, crc32, generation
 EMPTY = -1
+CRC_PENDING = -2
+"""A sealed chunk's checksum before its round computed it (CRC-32 values are 0 .. 2^32-1)."""
 PAGE = 4096
 
 
@@ -140,18 +154,31 @@ class RetainedSegment:
         """Slot ``slot`` is about to be overwritten: none of its chunks counts any more."""
         self.records[slot, :, 0] = EMPTY
 
-    def commit(self, slot: int, version: int, generation: int) -> None:
-        """Commit chunk by chunk what was written into ``slot`` as ``version``."""
-        data = memoryview(self._data[slot])
+    def seal(self, slot: int, version: int, generation: int) -> None:
+        """``slot`` holds all of ``version`` now: make each chunk's record count (checksum pending)."""
         rec = self.records[slot]
         for i in range(self.num_chunks):
+            faults.hit("keeper_seal", i)
+            rec[i, 1] = CRC_PENDING
+            rec[i, 2] = generation
+            rec[i, 0] = version  # last: the record counts from here on
+
+    def commit(self, slot: int, version: int, crcs: list[int] | None = None) -> None:
+        """Write the CRC-32 of each chunk of sealed ``version`` in ``slot`` (``crcs``: computed
+        by the caller in its own pass over the bytes, else here)."""
+        if crcs is None:
+            data = memoryview(self._data[slot])
+            crcs = [zlib.crc32(data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) for i in range(self.num_chunks)]
+        if len(crcs) != self.num_chunks:
+            raise ValueError(f"{len(crcs)} chunk checksums for a segment of {self.num_chunks} chunks")
+        rec = self.records[slot]
+        for i, crc in enumerate(crcs):
             faults.hit("keeper_commit", i)
             if self._stop:
                 return
-            lo = i * self.chunk_bytes
-            rec[i, 1] = zlib.crc32(data[lo:lo + self.chunk_bytes])
-            rec[i, 2] = generation
-            rec[i, 0] = version  # last: the record counts from here on
+            if rec[i, 0] != version:
+                return  # overwritten since (a newer update began): its own seal and commit follow
+            rec[i, 1] = crc
 
     def freeze(self) -> None:
         """No commit writes another record after this (the writer's generation failed)."""
@@ -170,14 +197,20 @@ class RetainedSegment:
         return out
 
     def verify(self, slot: int) -> list[int]:
-        """Chunks of ``slot`` whose bytes do not match their record's CRC-32 (empty: all good)."""
+        """Chunks of ``slot`` whose bytes do not match their record's CRC-32 (empty: all good;
+        chunks whose checksum is pending are not counted, see :meth:`unverified`)."""
         data = memoryview(self._data[slot])
         rec = self.records[slot]
-        return [i for i in range(self.num_chunks)
-                if zlib.crc32(data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) != int(rec[i, 1])]
+        return [i for i in range(self.num_chunks) if int(rec[i, 1]) != CRC_PENDING
+                and zlib.crc32(data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) != int(rec[i, 1])]
+
+    def unverified(self, slot: int) -> list[int]:
+        """Chunks of ``slot`` sealed whose checksum is still pending (the writer died before its round)."""
+        return [i for i in range(self.num_chunks) if int(self.records[slot, i, 1]) == CRC_PENDING]
 
     def verified_versions(self) -> dict[int, int]:
-        """:meth:`complete_versions` less any slot with a chunk that fails its checksum."""
+        """:meth:`complete_versions` less any slot with a chunk that fails its checksum (chunks
+        still pending count as good: see the module's note)."""
         return {v: s for v, s in self.complete_versions().items() if not self.verify(s)}
 
     def versions_by_slot(self) -> list[int]:
@@ -214,13 +247,21 @@ class RetainedSnapshots:
     def versions(self) -> list[int]:
         return self.segment.versions_by_slot() + [EMPTY] * (2 - self.segment.num_slots)
 
+    @property
+    def chunk_bytes(self) -> int:
+        return self.segment.chunk_bytes
+
     def begin(self, slot: int) -> None:
         if slot < self.segment.num_slots:
             self.segment.begin(slot)
 
-    def commit(self, slot: int, version: int, generation: int) -> None:
+    def seal(self, slot: int, version: int, generation: int) -> None:
         if slot < self.segment.num_slots:
-            self.segment.commit(slot, version, generation)
+            self.segment.seal(slot, version, generation)
+
+    def commit(self, slot: int, version: int, chunk_crcs: list[int]) -> None:
+        if slot < self.segment.num_slots:
+            self.segment.commit(slot, version, chunk_crcs)
 
     def freeze(self) -> None:
         self.segment.freeze()

@@ -6,8 +6,8 @@ several joined by ','), PHASE one of forward, backward, step, mirror, hang (SIGS
 stops for good, the heartbeat goes on), transient (raise a collective timeout once; nobody dies),
 join (die while arriving in generation 1, i.e. during the first recovery; STEP is ignored),
 write (die in the middle of writing the step's snapshot into the keeper's segment: after 2 of its
-segments), commit0 (die after the write, before the first chunk's commit record), commit1 (die between the
-commit records of chunks 0 and 1), corrupt (after the step's copies are out, flip a byte of every version the
+segments), seal (die after the write, between the seal records of chunks 0 and 1), commit0 (die after the
+seal, before the first chunk's checksum), commit1 (die between the checksums of chunks 0 and 1), corrupt (after the step's copies are out, flip a byte of every version the
 keeper holds, then die: the spare must not use them), node (the whole logical node is lost: its spares and
 its keeper are killed, then this rank). HS_TEST_TIER2=stripe:K:M makes tier 2 a zfec stripe. Each process that
 finishes writes OUT/<worker id>.json: the losses by step, final digests, its recoveries.
@@ -39,7 +39,8 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
-KEEPER_FAULTS = {"write": ("snapshot_write", 2), "commit0": ("keeper_commit", 0), "commit1": ("keeper_commit", 1)}
+KEEPER_FAULTS = {"write": ("snapshot_write", 2), "seal": ("keeper_seal", 1), "commit0": ("keeper_commit", 0),
+                 "commit1": ("keeper_commit", 1)}
 
 
 def die() -> None:
