@@ -200,6 +200,44 @@ def test_a_mirror_keeps_its_last_two_versions_in_either_kind_of_snapshots(kind, 
         mirror.close()
 
 
+@pytest.mark.parametrize("kind", ["private", "retained"])
+def test_the_next_generations_mirror_inherits_the_buffers_and_the_version_landed_on(kind, tmp_path):
+    """After a failure the survivor's new mirror takes the old one's buffers (no allocation, no
+    keeper request): the snapshot of the version landed on stays, the other buffer is free (a
+    retained one's records are emptied), and the new generation's updates commit again."""
+    make = (lambda layout: PrivateSnapshots(layout)) if kind == "private" else _retained(tmp_path)
+    old = Mirror(0, 0, {0: []}, NoPeers(), lambda t: None, snapshots=make)
+    for version in (1, 2):
+        _, named = layout_and_state(version)
+        old.on_step(version, lambda: named, lambda: {"v": version})
+        old.flush(5.0)
+    old.stop(join_s=5.0)
+    buffers = list(old.snapshots.buffers)
+    kept = old.own_snapshot(1).clone()
+    inherited = old.hand_over(keep=1)
+    assert inherited.versions.count(1) == 1 and inherited.versions.count(-1) == 1
+    assert old.hand_over(keep=1) is None  # given once
+    if kind == "retained":
+        assert inherited.snapshots.segment.complete_versions() == {1: inherited.versions.index(1)}
+
+    def no_allocation(layout):
+        raise AssertionError("the inherited buffers must be used")
+
+    new = Mirror(0, 1, {0: []}, NoPeers(), lambda t: None, snapshots=no_allocation, inherit=inherited)
+    try:
+        assert new.holdings()[0] == {1} and torch.equal(new.own_snapshot(1), kept)
+        _, named = layout_and_state(3)
+        new.on_step(3, lambda: named, lambda: {"v": 3})  # writes the free buffer, not version 1's
+        new.flush(5.0)
+        assert new.holdings()[0] == {1, 3} and all(a is b for a, b in zip(new.snapshots.buffers, buffers))
+        if kind == "retained":
+            seg = new.snapshots.segment
+            assert set(seg.verified_versions()) == {1, 3} and seg.unverified(seg.complete_versions()[3]) == []
+    finally:
+        new.close()
+        old.close()
+
+
 def test_a_mirror_on_a_reattached_segment_knows_what_it_holds(tmp_path):
     """A survivor's next generation, or a spare, opens the same segment: its versions count."""
     make = _retained(tmp_path)

@@ -38,6 +38,10 @@ KILL_COUNT = "kill/count"
 ABORT = "abort"
 SPARE_COUNT = "spare/count"
 STORE_POLL_S = 0.02
+"""How often an idle wait (a spare waiting for a failure) looks at the store."""
+RECOVERY_POLL_S = 0.005
+"""How often a wait on a recovery's path (a plan, an order, the new generation's members) looks:
+these waits last a fraction of a second and their poll delay adds up into the recovery's time."""
 
 
 def active_id(rank: int) -> str:
@@ -165,11 +169,11 @@ def read_list(store, counter: str, prefix: str, start: int) -> list[str]:
     return out
 
 
-def wait_key(store, key: str, timeout_s: float, what: str) -> bytes:
+def wait_key(store, key: str, timeout_s: float, what: str, poll_s: float = RECOVERY_POLL_S) -> bytes:
     """Poll for ``key`` (so the wait stays interruptible); raise TimeoutError naming ``what``."""
     deadline = time.monotonic() + timeout_s
     while not store.check([key]):
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:.0f} s for {what} (store key {key!r})")
-        time.sleep(STORE_POLL_S)
+        time.sleep(poll_s)
     return store.get(key)

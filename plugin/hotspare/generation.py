@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from . import env
+from . import control, env
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,6 @@ def store_from_env() -> dist.TCPStore:
     return connect_store(host, port, float(os.environ.get(env.HOTSPARE_STORE_TIMEOUT_S, "60")))
 
 
-ARRIVAL_POLL_S = 0.02
 
 
 class Superseded(RuntimeError):
@@ -74,21 +73,24 @@ def arrive(store: dist.Store, gen: Generation, timeout_s: float) -> None:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise TimeoutError(f"generation {gen.index}: rank(s) {missing} did not arrive within {timeout_s:.0f} s "
                                f"(a spare still building its engine, or a worker that died while joining)")
-        time.sleep(ARRIVAL_POLL_S)
+        time.sleep(control.RECOVERY_POLL_S)
 
 
 def join(store: dist.Store, gen: Generation, backend: str, timeout_s: float,
-         rendezvous_timeout_s: float | None = None) -> None:
+         rendezvous_timeout_s: float | None = None, marks: dict | None = None) -> None:
     """Initialise the default process group for ``gen`` on its own prefix of ``store``.
 
     Members first meet in :func:`arrive`, a Python-level poll: the process-group constructor
     waits for its peers inside C++ without releasing the GIL, which would silence this
     worker's heartbeat thread for as long as the slowest member takes (a spare still building
-    its engine) and get a healthy worker killed as hung.
+    its engine) and get a healthy worker killed as hung. ``marks["arrived"]``, when given, is
+    set to the moment every member had arrived.
     """
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists; call leave() before joining a new generation")
     arrive(store, gen, timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
+    if marks is not None:
+        marks["arrived"] = time.monotonic()  # every member is here: the rest is the group's own setup
     dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store), rank=gen.rank,
                             world_size=gen.world_size, timeout=datetime.timedelta(seconds=timeout_s))
 

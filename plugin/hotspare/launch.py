@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -61,8 +62,9 @@ class LaunchSpec:
     term_grace_s: float = 10.0
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     settle_s: float = 0.05
-    """After a failure, how long the coordinator waits for further failures before it plans (a
-    failure after the plan is handled too: the generation being formed is superseded)."""
+    """After a failure, how long the coordinator waits for further failures before it plans,
+    unless every other worker reported that it left the generation first (a failure after the
+    plan is handled too: the generation being formed is superseded)."""
     stall_grace_s: float = 5.0
     """After a survivor reports a failure no launcher saw, how long every other active worker
     has to report it too; one that does not is stuck (alive, beating, not in the collective)
@@ -112,6 +114,22 @@ class Worker:
     beat: int = -1
     beat_seen: float = 0.0
     beat_timeout: float = 0.0
+    pidfd: int = -1
+    """A descriptor that turns readable when the process exits (Linux pidfd), -1 without one."""
+
+    def __post_init__(self) -> None:
+        if self.pidfd < 0 and hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(self.proc.pid)
+            except OSError:
+                pass  # an old kernel: the launcher's poll sees the exit instead
+
+    def finish(self) -> None:
+        """Its exit is handled."""
+        self.done = True
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
 
 class Launcher:
@@ -277,7 +295,7 @@ class Launcher:
     # ---- watching --------------------------------------------------------------------------
 
     def _report(self, w: Worker, code: int, reason: str, detect_s: float = 0.0) -> None:
-        w.done = True
+        w.finish()
         failure = control.Failure(worker=w.wid, rank=w.rank, code=code, reason=reason, wall_time=time.time(),
                                   detect_s=detect_s)
         what = f"rank {w.rank}" if w.rank >= 0 else f"spare {w.wid}"
@@ -319,9 +337,9 @@ class Launcher:
             code = w.proc.poll()
             if code is None:
                 self._check_heartbeat(w, now)
-            elif code == 0:
-                w.done = True
-            elif not self._stopping:
+            elif code == 0 or self._stopping:
+                w.finish()  # done, or stopped by this launcher: nothing to report
+            else:
                 self._report(w, code, "exit")
 
     def _follow_plans(self) -> None:
@@ -367,7 +385,8 @@ class Launcher:
             self._waiting.setdefault(report.generation, {})[report.worker] = report
         if not self._pending:
             self._find_stalled()
-        if not self._pending or time.monotonic() - self._pending_since < self.spec.settle_s:
+        if not self._pending or (time.monotonic() - self._pending_since < self.spec.settle_s
+                                 and not self._all_accounted()):
             return
         self._stall_since = None
         failures, self._pending = self._pending, []
@@ -405,6 +424,12 @@ class Launcher:
         self.store.set(f"plan/{g}", plan.to_json())
         for wid in plan.replaced.values():
             self.store.set(f"order/{wid}", str(g))
+
+    def _all_accounted(self) -> bool:
+        """Every worker of the current generation has failed or reported that it left it: no other
+        failure can still be on its way, so the settle window need not run out."""
+        seen = {f.worker for f in self._pending} | set(self._waiting.get(self.generation, {}))
+        return set(self._current_plan().workers.values()) <= seen
 
     def _prepare(self, rank: int) -> None:
         """Tell a ready spare at once which rank it will take, so that it builds that rank's engine
@@ -482,10 +507,22 @@ class Launcher:
                     time.sleep(POLL_INTERVAL_S)
                 self.stop()
                 return 0
-            time.sleep(POLL_INTERVAL_S)
+            self._pause()
+
+    def _pause(self) -> None:
+        """Until the next look: ``POLL_INTERVAL_S``, cut short the moment a worker exits (its
+        pidfd turns readable); while a failure waits for its plan, ``control.RECOVERY_POLL_S``."""
+        limit = control.RECOVERY_POLL_S if self._pending else POLL_INTERVAL_S
+        fds = [w.pidfd for w in self.workers.values() if not w.done and w.pidfd >= 0]
+        if fds:
+            select.select(fds, [], [], limit)
+        else:
+            time.sleep(limit)
 
     def close(self) -> None:
         self.stop(signal.SIGKILL)
+        for w in self.workers.values():
+            w.finish()
         self.store = None
 
 

@@ -118,8 +118,22 @@ class Snapshots:
     def freeze(self) -> None:
         """No commit after this (the generation failed)."""
 
+    def thaw(self) -> None:
+        """Commits again (the buffers were handed to the next generation's mirror)."""
+
     def close(self) -> None:
         """Let go of the buffers."""
+
+
+@dataclass
+class Inherited:
+    """A failed generation's own snapshot buffers, handed to the next generation's mirror: no
+    allocation (and, for retained ones, no request to the keeper) on the path back to training."""
+
+    layout: Layout
+    snapshots: Snapshots
+    versions: list[int]
+    """The version each buffer holds (NO_VERSION: free to overwrite)."""
 
 
 class PrivateSnapshots(Snapshots):
@@ -135,7 +149,8 @@ class Mirror:
     def __init__(self, rank: int, generation: int, holders: dict[int, list[int]], transport: Transport,
                  control: Callable[[torch.Tensor], None], *, in_flight: str = "wait", chunk_bytes: int = 4 << 20,
                  timeout_s: float = 60.0, pin_memory: bool = False, on_event: Callable[..., None] | None = None,
-                 snapshots: Callable[[Layout], Snapshots] | None = None, stripe: tuple[int, int] | None = None):
+                 snapshots: Callable[[Layout], Snapshots] | None = None, stripe: tuple[int, int] | None = None,
+                 inherit: Inherited | None = None):
         self.rank, self.generation = rank, generation
         self.stripe = stripe
         if stripe is None:
@@ -173,6 +188,9 @@ class Mirror:
         self._ctrl = torch.zeros(2, dtype=torch.int64)  # training thread's agreement ('skip')
         self._ctrl_bg = torch.zeros(2, dtype=torch.int64)  # mirror thread's agreement ('wait')
         self.copies = {s: Copy() for s in self.sources}
+        if inherit is not None:
+            inherit.snapshots.thaw()
+            self._adopt(inherit.layout, inherit.snapshots, inherit.versions)
         self.global_committed = NO_VERSION
         self._commit_lock = threading.Lock()
         self.error: BaseException | None = None
@@ -249,12 +267,31 @@ class Mirror:
         if self.layout is not None:
             self.on_event("mirror_layout_changed", old_bytes=self.layout.nbytes)
             self.snapshots.close()
-        self.layout = Layout.of(named)
-        self.snapshots = self._make_snapshots(self.layout)
-        self._cuts = None
-        self._own = self.snapshots.buffers
-        self._own_views = [self.layout.views(b) for b in self._own]
-        self._own_version = self.snapshots.versions()
+        layout = Layout.of(named)
+        snapshots = self._make_snapshots(layout)
+        self._adopt(layout, snapshots, snapshots.versions())
+
+    def _adopt(self, layout: Layout, snapshots: Snapshots, versions: list[int]) -> None:
+        self.layout, self.snapshots, self._cuts = layout, snapshots, None
+        self._own = snapshots.buffers
+        self._own_views = [layout.views(b) for b in self._own]
+        self._own_version = list(versions)
+
+    def hand_over(self, keep: int) -> Inherited | None:
+        """After :meth:`stop` and the restore: this mirror's own buffers for the next generation's
+        mirror, still holding the snapshot of ``keep`` (the version landed on); every other buffer
+        is marked free (a retained one loses its records too). None when there are none, or when
+        the background thread still runs (it could touch them); the buffers are then kept here."""
+        if self.snapshots is None or self._thread.is_alive():
+            return None
+        versions = [v if v == keep else NO_VERSION for v in self._own_version]
+        for slot, v in enumerate(versions):
+            if v == NO_VERSION:
+                self.snapshots.begin(slot)
+        out = Inherited(self.layout, self.snapshots, versions)
+        self.layout, self.snapshots, self._own, self._own_views = None, None, [], []
+        self._own_version = [NO_VERSION, NO_VERSION]
+        return out
 
     def own_snapshot(self, version: int) -> torch.Tensor | None:
         """This rank's own snapshot of ``version``, if it still has it."""

@@ -184,6 +184,10 @@ class RetainedSegment:
         """No commit writes another record after this (the writer's generation failed)."""
         self._stop = True
 
+    def thaw(self) -> None:
+        """Commits write again (the next generation's writer took the segment over)."""
+        self._stop = False
+
     # ---- readers ------------------------------------------------------------------------------
 
     def complete_versions(self) -> dict[int, int]:
@@ -265,6 +269,9 @@ class RetainedSnapshots:
 
     def freeze(self) -> None:
         self.segment.freeze()
+
+    def thaw(self) -> None:
+        self.segment.thaw()
 
     def close(self) -> None:
         self.buffers = []

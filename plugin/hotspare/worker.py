@@ -85,7 +85,8 @@ def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | co
             return control.Prepare(**json.loads(store.get(f"prepare/{wid}")))
         if store.check(["shutdown"]):
             raise Shutdown()
-        time.sleep(control.STORE_POLL_S)
+        # Once prepared, the order follows within the coordinator's settle window: look often.
+        time.sleep(control.STORE_POLL_S if prepare else control.RECOVERY_POLL_S)
 
 
 def wait_for_plan(store, generation: int, timeout_s: float) -> control.Plan:

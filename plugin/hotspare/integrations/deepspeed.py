@@ -31,10 +31,11 @@ from ..config import ConfigError, HotspareConfig, split_deepspeed_config
 from ..events import EventLog
 from ..generation import Generation, Superseded, join, leave, store_from_env
 from ..keeper import KeeperClient, KeeperError
-from ..mirror import Mirror, MirrorError
+from ..mirror import NO_VERSION, Inherited, Mirror, MirrorError
 from ..placement import place
 from ..planning import KEEPER, STRIPE, NoConsistentVersion, choose_version
 from ..recovery import RecoveryError, exchange_holdings, is_distributed_error, is_timeout, start_fetch
+from ..retain import RetainedSnapshots
 from ..snapshot import Layout, read_meta
 from ..sockets import abort_nccl, break_connections
 from ..transport import GlooTransport
@@ -199,13 +200,15 @@ class Session:
             plan = None
 
     def _break_off(self, records, generation: int, error: BaseException) -> int:
-        """Leave ``generation`` at once (a failure in it, or while it formed): abort NCCL, shut down
-        every connection but the store's (so no survivor waits out a collective timeout), tell
-        the coordinator, freeze the mirror, destroy the groups. Returns the connections broken."""
+        """Leave ``generation`` at once (a failure in it, or while it formed): tell the coordinator,
+        abort NCCL, shut down every connection but the store's (so no survivor waits out a
+        collective timeout), freeze the mirror, destroy the groups. Returns the connections broken."""
+        # The coordinator first: once every survivor has said so, it plans without waiting out
+        # its settle window.
+        self._report_waiting(generation, error)
         if dist.is_initialized():
             abort_nccl([r.group for r in records])
         broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
-        self._report_waiting(generation, error)
         if self.mirror is not None:
             self.mirror.stop()
             self._retired.append(self.mirror)
@@ -235,14 +238,18 @@ class Session:
             raise RecoveryError(f"worker {worker_id()} is not in the plan for generation {plan.generation}")
         t1 = time.monotonic()
         gen = Generation(plan.generation, rank, plan.world_size)
-        join(self.store, gen, self.backend, cfg.recovery.collective_timeout_s, cfg.recovery.rendezvous_timeout_s)
+        marks = {}
+        join(self.store, gen, self.backend, cfg.recovery.collective_timeout_s, cfg.recovery.rendezvous_timeout_s,
+             marks=marks)
         self.generation = gen
         if self.events is not None:
             self.events.generation = gen.index
+        t_joined = time.monotonic()
         rebuild.check_signature(records, gen.world_size)
         # hotspare's own groups first: the state transfer starts on them and its bytes move while
         # DeepSpeed's groups are built.
         data_group, control_group = self._hotspare_groups()
+        t_own_groups = time.monotonic()
         kept = self._take_over_retained(rank) if retained is None else {}
         holdings = exchange_holdings(control_group, gen.world_size, retained, kept)
         # A spare that took a rank in a generation that failed while it formed is not in this
@@ -262,6 +269,8 @@ class Session:
         self._repointed = [dataclasses.replace(r, group=mapping[id(r.group)]) for r in records]
         phases["rebuild_s"] = time.monotonic() - t1
         self.events("rebuild", groups=len(records), seconds=phases["rebuild_s"],
+                    arrive_s=marks["arrived"] - t1, join_s=t_joined - marks["arrived"],
+                    own_groups_s=t_own_groups - t_joined, holdings_s=t_groups - t_own_groups,
                     host_groups_s=time.monotonic() - t_groups)
 
         t2 = time.monotonic()
@@ -270,7 +279,6 @@ class Session:
             phases["fallback"] = detail["checkpoint"]
         else:
             version, detail = self._restore_from_memory(target, pending, retained)
-        self._drop_kept()
         layout = Layout.of(self.state.tensors())
         _agree_on(control_group, [version, self.engine.global_steps, layout.id & 0xFFFFFFFF])
         phases["restore_s"] = time.monotonic() - t2
@@ -278,7 +286,12 @@ class Session:
 
         if retained is not None:
             retained.transport.close()
-        self._start_mirror(data_group, control_group)
+        # The last generation's own snapshot buffers (or, for a spare, the dead rank's retained
+        # segment) carry on: taken at the last moment, so that a failure before it leaves them
+        # where a retry of this recovery finds them.
+        self._start_mirror(data_group, control_group, lambda: (
+            retained.hand_over(version) if retained is not None else self._inherit_kept(version)))
+        self._drop_kept()
         phases["total_s"] = time.monotonic() - t0
         summary = {"generation": gen.index, "version": version, "replaced": plan.replaced,
                    "failures": plan.failures, **phases}
@@ -290,7 +303,7 @@ class Session:
     def _take_over_retained(self, rank: int) -> dict[int, int]:
         """A spare: what this node's keeper retained of ``rank``, checked chunk by chunk
         ({version: slot}; empty when nothing usable, e.g. the rank died on another node)."""
-        self._kept = None
+        self._drop_kept()
         if self.keeper is None:
             return {}
         try:
@@ -305,6 +318,21 @@ class Session:
         if segment is not None:
             self._kept = (segment, good)
         return good
+
+    def _inherit_kept(self, version: int) -> Inherited | None:
+        """A spare: the dead rank's retained segment becomes its own snapshots (the keeper would
+        hand it the same one), still holding ``version`` when that is what was restored from it."""
+        if self._kept is None:
+            return None
+        segment, good = self._kept
+        self._kept = None
+        layout = self.state.layout_for(segment.layout_id)
+        snapshots = RetainedSnapshots(segment, layout)
+        versions = [version if good.get(version) == slot else NO_VERSION for slot in range(len(snapshots.buffers))]
+        for slot, v in enumerate(versions):
+            if v == NO_VERSION:
+                snapshots.begin(slot)
+        return Inherited(layout, snapshots, versions)
 
     def _restore_from_memory(self, target, pending, retained) -> tuple[int, dict]:
         """Land on ``target``: this rank's own snapshot, its node keeper's copy, or its bytes from the
@@ -382,8 +410,10 @@ class Session:
         self.groups = (data_group, control_group)
         return data_group, control_group
 
-    def _start_mirror(self, data_group, control_group) -> None:
-        """Start mirroring in the current generation and seed it with the state as it is now."""
+    def _start_mirror(self, data_group, control_group,
+                      inherit: Callable[[], Inherited | None] = lambda: None) -> None:
+        """Start mirroring in the current generation and seed it with the state as it is now
+        (``inherit()``: the last generation's own snapshot buffers, reused: no allocation)."""
         cfg, gen = self.config, self.generation
         mc = cfg.mirror
         if not (mc.enabled and (mc.replicas > 0 or self.keeper is not None or cfg.retain.tier2 == "stripe")
@@ -429,7 +459,8 @@ class Session:
         pin = get_accelerator().device_name() != "cpu"
         self.mirror = Mirror(gen.rank, gen.index, holders, GlooTransport(data_group, gen.rank), agree,
                              in_flight=mc.in_flight, chunk_bytes=mc.chunk_bytes, timeout_s=mc.timeout_s,
-                             pin_memory=pin, on_event=self.events, snapshots=snapshots, stripe=stripe)
+                             pin_memory=pin, on_event=self.events, snapshots=snapshots, stripe=stripe,
+                             inherit=inherit())
         self.events("mirror_start", holders=holders[gen.rank], nodes=nodes, single_node=len(set(nodes)) == 1)
         # The state as it is now is a version too: a failure in the very next step lands here.
         self.mirror.on_step(self.engine.global_steps, self.state.tensors, self.state.meta)
