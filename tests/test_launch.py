@@ -2,6 +2,7 @@
 Starts real processes (tiny Python scripts) on 127.0.0.1; no DeepSpeed."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -180,3 +181,30 @@ def test_without_a_ready_spare_the_job_stops_with_the_code(tmp_path, no_leaks):
                              extra_env={"FAIL_a1": "exit", "RUN_S": "30"}, term_grace_s=5)
     # RUN_S=30: the survivor would sleep 30 s; the abort stops it (the pytest timeout bounds a hang).
     assert launch.run(spec) == 7
+
+
+def test_the_coordinator_plans_once_every_worker_is_accounted_for_not_before():
+    """In process, no workers: rank 1's failure is reported, a spare is ready, and the settle
+    window is long. The plan waits while rank 3 has not said it left generation 0, and is
+    written at once when it has (every worker failed or left: nothing else can be coming)."""
+    from hotspare import control
+
+    coordinator = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
+                                                    settle_s=30.0))
+    coordinator._open_store()
+    store = coordinator.store
+    control.append(store, control.SPARE_COUNT, "spare/", json.dumps(["s0.0", 0]))
+    store.set("ready/s0.0", "1")
+    control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
+        worker="a1", rank=1, code=-9, reason="exit", wall_time=time.time()))))
+    for wid, rank in (("a0", 0), ("a2", 2)):
+        control.append(store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(
+            control.Waiting(worker=wid, rank=rank, generation=0))))
+    coordinator._coordinate()
+    assert not store.check(["plan/1"])  # rank 3 may still be failing: settle
+    assert json.loads(store.get("prepare/s0.0"))["rank"] == 1  # the spare builds rank 1's engine meanwhile
+    control.append(store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(
+        control.Waiting(worker="a3", rank=3, generation=0))))
+    coordinator._coordinate()
+    plan = control.Plan.from_json(store.get("plan/1"))
+    assert plan.replaced == {"1": "s0.0"} and store.get("order/s0.0") == b"1"
