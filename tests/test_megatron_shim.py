@@ -1,0 +1,120 @@
+"""patches/megatron_core_cpu.py (hotspare_patches.megatron_core_cpu): the version check and each
+behaviour the shim changes, pinned in one process. The pipeline run it enables (PP=2 x DP=2,
+1F1B, the distributed optimizer, bitwise reproducible) is tests/test_megatron_pipeline.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotspare_patches import megatron_core_cpu as shim
+
+
+@pytest.fixture(scope="module")
+def applied():
+    shim.apply()  # idempotent; this machine has no CUDA, so it patches
+    assert shim.applied()
+    return shim
+
+
+def test_an_unknown_megatron_core_version_is_refused_naming_both_versions(monkeypatch):
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    with pytest.raises(shim.ShimError, match=r"written for megatron-core 0\.16\.1, and 0\.17\.0 is installed"):
+        shim.check_version()
+    if not shim.applied():
+        with pytest.raises(shim.ShimError):
+            shim.apply()
+        assert not shim.applied()  # refused before patching anything
+
+
+def test_the_installed_version_is_the_supported_one():
+    assert shim.check_version() == shim.SUPPORTED_VERSION
+
+
+def test_cuda_allocations_in_the_patched_modules_land_on_the_cpu_and_torch_itself_is_untouched(applied):
+    import importlib
+
+    for name in shim.P1_MODULES:
+        assert importlib.import_module(name).torch is shim.PROXY, name
+    for device in ("cuda", "cuda:1", 0, torch.device("cuda", 0)):
+        assert shim.PROXY.zeros(3, device=device).device.type == "cpu"
+    assert shim.PROXY.zeros(3, device="cpu").device.type == "cpu" and shim.PROXY.cuda.current_device().type == "cpu"
+    shim.PROXY.cuda.synchronize()
+    with shim.PROXY.cuda.stream(shim.PROXY.cuda.Stream()):
+        pass
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")  # the real torch still has no CUDA here
+
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    buf = GlobalMemoryBuffer().get_tensor((4, 2), torch.float32, "attn")  # utils.py:631 allocated on cuda
+    assert buf.device.type == "cpu" and buf.shape == (4, 2)
+    assert any(key.startswith("megatron/core/utils.py:") for key in shim.redirects()), shim.redirects()
+
+
+def test_the_type_name_checks_accept_cpu_tensors(applied):
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    rebuilt = [distrib_optimizer.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"].__func__,
+               distrib_optimizer.DistributedOptimizer.__init__,
+               moptimizer.Float16OptimizerWithFloat16Params.__init__, clip_grads.clip_grad_by_total_norm_fp32]
+    for fn in rebuilt:
+        assert shim._has_constant(fn.__hotspare_original__.__code__, set(shim.TYPE_NAMES)), fn.__qualname__
+        assert not shim._has_constant(fn.__code__, set(shim.TYPE_NAMES)), fn.__qualname__
+        assert shim._has_constant(fn.__code__, set(shim.TYPE_NAMES.values())), fn.__qualname__
+    assert moptimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+    # What the rebuilt clip computes on CPU grads: the global norm, and the grads scaled by it.
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 3.0)
+    clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=6.0)
+    assert torch.allclose(p.grad, torch.full((4,), 3.0 / 6.0), atol=1e-6)
+
+
+def test_the_rng_tracker_keeps_independent_named_streams_on_the_cpu_generator(applied):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    assert type(mrandom.get_cuda_rng_tracker()).__name__ == "CPURNGStatesTracker"
+
+    def draws():
+        tracker = type(mrandom.get_cuda_rng_tracker())()
+        tracker.add("model-parallel-rng", 1234)
+        torch.manual_seed(7)
+        with tracker.fork("model-parallel-rng"):
+            a = torch.rand(3)
+        default = torch.rand(3)  # the default stream goes on as if the fork never happened
+        with tracker.fork("model-parallel-rng"):
+            b = torch.rand(3)  # the named stream goes on where it stopped
+        return a, b, default
+
+    a, b, default = draws()
+    torch.manual_seed(7)
+    assert torch.equal(default, torch.rand(3))
+    g = torch.Generator().manual_seed(1234)
+    assert torch.equal(torch.cat([a, b]), torch.rand(6, generator=g))
+    assert all(torch.equal(x, y) for x, y in zip(draws(), (a, b, default)))  # reproducible
+    state = torch.get_rng_state()
+    assert torch.equal(mrandom._get_cuda_rng_state(), state)
+
+
+def test_tied_embeddings_across_stages_stay_on_the_cpu(applied):
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    code = LanguageModule.setup_embeddings_and_output_layer.__code__
+    original = LanguageModule.setup_embeddings_and_output_layer.__hotspare_original__.__code__
+    assert "cuda" in original.co_names and "cuda" not in code.co_names and "cpu" in code.co_names
+
+
+def test_apply_is_a_no_op_the_second_time(applied):
+    assert shim.apply() is False and shim.applied()
+
+
+def test_a_rebuild_of_code_that_changed_is_refused():
+    def f():
+        return "nothing to swap"
+
+    with pytest.raises(shim.ShimError, match="out of date"):
+        shim.rebuild(f, shim.TYPE_NAMES)
+    with pytest.raises(shim.ShimError, match="out of date"):
+        shim.rebuild(f, names={"cuda": "cpu"})
