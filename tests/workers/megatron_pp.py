@@ -3,8 +3,12 @@ PP=2 x DP=2 (4 ranks started by hotspare-run), megatron-core's GPTModel (local l
 embeddings) split into two stages, megatron-core DDP and the distributed optimizer (Adam),
 the 1F1B schedule with 4 microbatches, a cosine OptimizerParamScheduler.
 
-Usage: megatron_pp.py OUT ITERS. Writes OUT/rank<R>.json: per-iteration losses (last stage),
-the digest of the rank's fp32 shard and Adam moments, the scheduler's step count.
+Usage: megatron_pp.py OUT ITERS [ROUNDTRIP]. With ROUNDTRIP = i >= 0, every rank snapshots its
+unique state (hotspare.integrations.megatron.MegatronState, into a snapshot buffer as the mirror
+does) after iteration i, runs iteration i+1, wrecks its shards, Adam moments, scheduler and RNG,
+restores the snapshot and runs iteration i+1 again. Writes OUT/rank<R>.json: per-iteration
+losses (last stage; a replay overwrites), the digest of the rank's fp32 shard and Adam
+moments, the scheduler's step count.
 """
 from __future__ import annotations
 
@@ -20,15 +24,18 @@ import torch.distributed as dist
 
 from hotspare import env
 from hotspare.generation import Generation, join, store_from_env
+from hotspare.integrations.megatron import MegatronState, check_version, distributed_optimizers
+from hotspare.snapshot import Layout, write_meta
 from hotspare_patches import megatron_core_cpu
 
 VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES, HIDDEN, LAYERS, HEADS, SEED = 128, 16, 2, 4, 32, 4, 4, 1234
 
 
-def main(out: str, iters: int) -> None:
+def main(out: str, iters: int, roundtrip: int = -1) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     megatron_core_cpu.apply()
+    check_version()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -93,8 +100,32 @@ def main(out: str, iters: int) -> None:
         return output, loss_func
 
     forward_backward = get_forward_backward_func()
-    losses = {}
-    for it in range(iters):
+    state = MegatronState([model], optimizer, sched)
+    losses, snapshot, replayed = {}, None, False
+    it = -1
+    while it + 1 < iters:
+        it += 1
+        if roundtrip >= 0 and it == roundtrip + 1 and snapshot is None:
+            named = state.tensors()
+            layout = Layout.of(named)
+            snapshot = layout.allocate()
+            for view, (_, t) in zip(layout.views(snapshot), named):
+                view.copy_(t.reshape(-1))
+            write_meta(snapshot, layout, state.meta())
+        elif roundtrip >= 0 and it == roundtrip + 2 and not replayed:
+            replayed = True
+            with torch.no_grad():  # wreck everything the snapshot must bring back
+                for do in distributed_optimizers(optimizer):
+                    for group in do.optimizer.param_groups:
+                        for p in group["params"]:
+                            p.add_(1.0)
+                            for v in do.optimizer.state[p].values():
+                                v.mul_(3.0)
+            sched.step(12345)
+            torch.manual_seed(999)
+            state.restore(snapshot, layout)
+            state.resync()
+            it = roundtrip + 1
         model.zero_grad_buffer()
         optimizer.zero_grad()
         reduced = forward_backward(forward_step_func=forward_step, data_iterator=batches(it), model=[model],
@@ -123,4 +154,4 @@ def main(out: str, iters: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else -1)
