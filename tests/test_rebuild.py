@@ -55,3 +55,44 @@ def test_an_engine_builds_for_any_rank_in_a_fake_group(stage):
     assert sum(result["partitions"]) * 2 >= result["num_params"]
     assert result["groups"][0] == [[0, 1], "fake"]
     assert len(result["groups"]) == (2 if stage == 3 else 1)
+
+
+SIGNATURE_RANK = """
+import sys
+import torch.distributed as dist
+from hotspare import rebuild
+rank, init, out, same = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+try:
+    rebuild.check_signature([rebuild.GroupRecord(None, (0, 1) if same or rank == 0 else (1,), "gloo", False)], 2)
+    result = "agreed"
+except RuntimeError as exc:
+    result = str(exc)
+finally:
+    dist.destroy_process_group()
+open(f"{out}.{rank}", "w", encoding="utf-8").write(result)
+"""
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_ranks_that_hold_different_groups_are_refused_before_any_group_is_made(same, tmp_path):
+    """The signature check (one int64 all-gather) passes when every rank records the same group
+    structure, and names each rank's signature when one differs (a spare built differently)."""
+    import subprocess
+    import sys
+
+    init = f"file://{tmp_path / 'store'}"
+    out = str(tmp_path / "result")
+    procs = [subprocess.Popen([sys.executable, "-c", SIGNATURE_RANK, str(r), init, out, "1" if same else "0"])
+             for r in range(2)]
+    try:
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0]
+    results = [open(f"{out}.{r}", encoding="utf-8").read() for r in range(2)]
+    if same:
+        assert results == ["agreed", "agreed"]
+    else:
+        assert all("ranks disagree on the process groups to rebuild" in r for r in results), results

@@ -134,8 +134,12 @@ def signature(records: list[GroupRecord], world_size: int) -> str:
 def check_signature(records: list[GroupRecord], world_size: int) -> None:
     """All-gather the signature over the (new) default group; raise if any rank differs."""
     mine = signature(records, world_size)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    # One int64 all-gather (the digest's first 60 bits): all_gather_object pickles and takes two.
+    digest, count = mine.split("/")
+    local = torch.tensor([int(digest[:15], 16), int(count)], dtype=torch.int64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    everyone = [f"{int(t[0]):015x}/{int(t[1])}" for t in gathered]
     if len(set(everyone)) != 1:
         raise RuntimeError(
             f"ranks disagree on the process groups to rebuild (signatures by rank: {everyone}); a spare's "
