@@ -6,7 +6,8 @@ test arms a point in the process that should fail::
     faults.arm("keeper_commit", at=1, action="kill")   # SIGKILL before chunk 1's commit record
 
 Points: ``snapshot_write`` (index: segments of the snapshot written so far in a capture),
-``keeper_commit`` (index: chunks of a retained update committed so far). Actions: ``kill``
+``keeper_commit`` (index: chunks of a retained update committed so far), ``join`` (index: the
+generation being joined: a fault while a recovery forms). Actions: ``kill``
 (SIGKILL, like an OOM kill or a crash), ``hang`` (SIGSTOP), ``raise`` (RuntimeError).
 
 :func:`lose_node` stands for the loss of a whole (logical) node under ``hotspare-run

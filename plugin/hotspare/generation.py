@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from . import control, env
+from . import control, env, faults
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ def join(store: dist.Store, gen: Generation, backend: str, timeout_s: float,
     """
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists; call leave() before joining a new generation")
+    faults.hit("join", gen.index)
     arrive(store, gen, timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
     if marks is not None:
         marks["arrived"] = time.monotonic()  # every member is here: the rest is the group's own setup

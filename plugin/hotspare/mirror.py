@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from . import checksum, erasure, faults

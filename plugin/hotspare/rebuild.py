@@ -131,20 +131,33 @@ def signature(records: list[GroupRecord], world_size: int) -> str:
     return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16] + f"/{len(parts)}"
 
 
-def check_signature(records: list[GroupRecord], world_size: int) -> None:
-    """All-gather the signature over the (new) default group; raise if any rank differs."""
-    mine = signature(records, world_size)
-    # One int64 all-gather (the digest's first 60 bits): all_gather_object pickles and takes two.
-    digest, count = mine.split("/")
-    local = torch.tensor([int(digest[:15], 16), int(count)], dtype=torch.int64)
+def _digests(text: str) -> list[int]:
+    """Every rank's 60-bit digest of ``text``, by rank (one int64 all-gather on the default group)."""
+    local = torch.tensor([int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)], dtype=torch.int64)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    everyone = [f"{int(t[0]):015x}/{int(t[1])}" for t in gathered]
+    return [int(t) for t in gathered]
+
+
+def check_signature(records: list[GroupRecord], world_size: int) -> None:
+    """All-gather the signature over the (new) default group; raise if any rank differs."""
+    # One int64 all-gather: all_gather_object pickles and takes two.
+    everyone = [f"{d:015x}" for d in _digests(signature(records, world_size))]
     if len(set(everyone)) != 1:
         raise RuntimeError(
             f"ranks disagree on the process groups to rebuild (signatures by rank: {everyone}); a spare's "
             f"engine must have the same group structure as the survivors'. Are all ranks running the same "
             f"script and config?")
+
+
+def check_same(text: str, what: str) -> None:
+    """Raise on every rank unless every rank passes the same ``text`` (collective)."""
+    everyone = _digests(text)
+    if len(set(everyone)) != 1:
+        odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        raise RuntimeError(f"ranks disagree on {what}: rank 0 has {text!r:.200} and ranks {odd} differ from it (as "
+                           f"digests: {[f'{d:015x}' for d in everyone]}). Are all ranks running the same script and "
+                           f"config?")
 
 
 def create_groups(records: list[GroupRecord], timeout_s: float, backend: str | None = None) -> dict[int, dist.ProcessGroup]:
@@ -153,7 +166,6 @@ def create_groups(records: list[GroupRecord], timeout_s: float, backend: str | N
     A record spanning the whole world with the default group's object becomes the new default
     group itself; every other record gets a ``new_group`` with the same ranks.
     """
-    world = dist.get_world_size()
     default = dist.distributed_c10d._get_default_group()
     timeout = datetime.timedelta(seconds=timeout_s)
     mapping: dict[int, dist.ProcessGroup] = {}

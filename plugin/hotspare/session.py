@@ -1,0 +1,620 @@
+"""The framework-independent half of a hotspare training session: failover in the training
+loop, recovery (plan, rebuild, restore, resume), the mirror and keeper, close.
+
+:class:`Session` is subclassed per host framework
+(:class:`hotspare.integrations.deepspeed.DeepSpeedSession`,
+:class:`hotspare.integrations.megatron.MegatronSession`), which say where the step count and
+the process-group handles are, how the host's groups are rebuilt in a new generation, and
+what the unique state is (``state``: ``tensors``, ``meta``, ``restore``, ``resync``,
+``layout_for``, ``load_checkpoint``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint, control, env, erasure, rebuild
+from .config import ConfigError, HotspareConfig
+from .events import EventLog
+from .generation import Generation, Superseded, join, leave, store_from_env
+from .keeper import KeeperClient, KeeperError
+from .mirror import NO_VERSION, Inherited, Mirror, MirrorError
+from .placement import place
+from .planning import KEEPER, STRIPE, NoConsistentVersion, choose_version
+from .recovery import RecoveryError, exchange_holdings, is_distributed_error, is_timeout, start_fetch
+from .retain import RetainedSnapshots
+from .snapshot import Layout
+from .sockets import abort_nccl, break_connections
+from .transport import GlooTransport
+from .worker import Heartbeat, Shutdown, wait_for_order, wait_for_plan, worker_id
+
+
+@dataclass(kw_only=True)
+class Session:
+    """A training process's hotspare handles, and its failover (see the subclasses' docs for the
+    training-loop API of each framework)."""
+
+    config: HotspareConfig | None
+    """The validated ``"hotspare"`` section, or None when the config has none (hotspare off)."""
+    generation: Generation
+    """The process-group generation this process is in."""
+    store: Any
+    """The control-store client (None when the process group was set up by the caller)."""
+    mirror: Mirror | None = None
+    """The peer mirror of this rank's unique state (None when mirroring is off)."""
+    state: Any = None
+    """What this rank mirrors (the host's unique-state object)."""
+    events: EventLog | None = None
+    """This rank's event log."""
+    groups: tuple = ()
+    """Process groups hotspare created (destroyed on close)."""
+    heartbeat: Heartbeat | None = None
+    """This worker's heartbeat to its launcher (None outside hotspare-run)."""
+    recoveries: list = field(default_factory=list)
+    """One summary dict per recovery this process took part in (phases and their seconds)."""
+    spare: bool = False
+    """This process started as a spare and took a failed rank's place."""
+    checkpoints: Any = None
+    """The background checkpoint engine (None when ``hotspare.checkpoint`` is off)."""
+    backend: str = "gloo"
+    pin_memory: bool = False
+    """Mirror snapshots live in pinned host memory (an accelerator is in use)."""
+    same_layout_everywhere: bool = True
+    """Every rank's unique state has the same layout (ZeRO's equal partitions), so ranks agree on
+    it before resuming; a pipeline's stages differ (each restore checks its own layout)."""
+    keeper: KeeperClient | None = None
+    """This node's keeper (None when retention is off or the process was not started by hotspare-run)."""
+    _kept: Any = None
+    """The retained segment of the rank this spare took (read by its restore), and its verified versions."""
+    _repointed: list | None = None
+    _retired: list = field(default_factory=list)
+    """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
+
+    # ---- the training-loop API ---------------------------------------------------------------
+
+    def step_count(self) -> int:
+        """Optimizer steps taken (the version the state is at)."""
+        raise NotImplementedError
+
+    def steps(self, total: int):
+        """Step indices from where the state is (:meth:`step_count`) up to ``total``.
+
+        After a recovery the next index is the landing version's, so the interrupted step and
+        any a survivor had run past it are run again, with the same batches.
+        """
+        while self.step_count() < total:
+            yield self.step_count()
+
+    def resilient(self, fn: Callable) -> Callable:
+        """Decorate the function that runs one training step (all its micro-batches).
+
+        A failure of a peer inside it (a collective that raises, a broken mirror) is recovered
+        in place: a spare takes the failed rank, the state lands on the newest version every
+        rank holds, and the call returns None; ``steps`` then resumes from there. An exception
+        that is not a distributed failure (a bug) is re-raised at once.
+        """
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not self._can_recover(exc):
+                    raise
+                self.recover(exc)
+                return None
+
+        return run
+
+    def _can_recover(self, exc: BaseException) -> bool:
+        cfg = self.config
+        return (cfg is not None and cfg.enabled and cfg.recovery.enabled and self.store is not None
+                and is_distributed_error(exc))
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def recover(self, error: BaseException) -> None:
+        """A survivor's recovery after ``error``: rebuild in place with the coordinator's plan."""
+        cfg = self.config.recovery
+        if len(self.recoveries) >= cfg.max_recoveries:
+            raise RecoveryError(f"{len(self.recoveries)} recoveries done, recovery.max_recoveries="
+                                f"{cfg.max_recoveries}: stopping (a failure that keeps recurring is not transient)") \
+                from error
+        t0 = time.monotonic()
+        failed_at = self.step_count()
+        self.events("failure_seen", version=failed_at, error=str(error)[:500],
+                    error_type=type(error).__name__, timed_out=is_timeout(error))
+        log(f"rank {self.generation.rank}: failure seen at step {failed_at}: "
+             f"{type(error).__name__}: {str(error)[:200]}")
+        retained = self.mirror  # frozen by _break_off; the restore reads what it holds
+        records = self.host_groups()
+        broken = self._break_off(records, self.generation.index, error)
+        if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
+            log(f"rank {self.generation.rank}: the checkpoint writer is still busy after "
+                 f"{cfg.rendezvous_timeout_s} s; recovering without waiting for it")
+        self.events("left", connections_broken=broken, seconds=time.monotonic() - t0)
+        self._land(None, self.generation.index + 1, records, retained, {"failed_at": failed_at}, t0, error)
+
+    def _land(self, plan, generation: int, records, retained: Mirror | None, phases: dict, t0: float,
+              error: BaseException | None = None) -> None:
+        """Take part in ``plan`` (or wait for the plan of ``generation``). When a member fails while
+        the new generation forms, leave it and go on with the coordinator's next plan."""
+        cfg = self.config.recovery
+        while True:
+            if plan is None:
+                plan = wait_for_plan(self.store, generation, cfg.rendezvous_timeout_s)
+                phases.setdefault("plan_s", time.monotonic() - t0)
+                self.events("plan", generation=plan.generation, replaced=plan.replaced, failures=plan.failures,
+                            wait_s=time.monotonic() - t0)
+                if plan.abort:
+                    raise RecoveryError(f"the job cannot recover: {plan.abort}") from error
+            self._repointed = None
+            try:
+                self._take_part(plan, records, retained, phases, t0)
+                return
+            except Superseded as exc:
+                generation = exc.generation
+            except Exception as exc:  # noqa: BLE001 - classified here
+                if not is_distributed_error(exc) or not dist.is_initialized():
+                    raise  # a bug, or a member that never arrived (the error names it)
+                generation = plan.generation + 1
+                # The engine points at this attempt's groups once they were re-pointed.
+                records = self._repointed or records
+                self._break_off(records, plan.generation, exc)
+            self.events("retry", generation=generation, failed_generation=plan.generation)
+            log(f"rank {self.generation.rank}: generation {plan.generation} failed while it formed; "
+                 f"joining generation {generation}")
+            plan = None
+
+    def _break_off(self, records, generation: int, error: BaseException) -> int:
+        """Leave ``generation`` at once (a failure in it, or while it formed): tell the coordinator,
+        abort NCCL, shut down every connection but the store's (so no survivor waits out a
+        collective timeout), freeze the mirror, destroy the groups. Returns the connections broken."""
+        # The coordinator first: once every survivor has said so, it plans without waiting out
+        # its settle window.
+        self._report_waiting(generation, error)
+        if dist.is_initialized():
+            abort_nccl([r.group for r in records])
+        broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+        if self.mirror is not None:
+            self.mirror.stop()
+            self._retired.append(self.mirror)
+            self.mirror = None
+        self.groups = ()
+        leave()
+        return broken
+
+    def _drop_kept(self) -> None:
+        if self._kept is not None:
+            self._kept[0].close()
+            self._kept = None
+
+    def _report_waiting(self, generation: int, error: BaseException) -> None:
+        # Tell the coordinator at once: a failure no launcher saw (a peer stuck while it keeps
+        # beating) is found from which workers do not say this.
+        timed_out = is_timeout(error)
+        control.append(self.store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(control.Waiting(
+            worker=worker_id(), rank=self.generation.rank, generation=generation, timed_out=timed_out,
+            waited_s=self.config.recovery.collective_timeout_s if timed_out else 0.0))))
+
+    def _take_part(self, plan, records, retained: Mirror | None, phases: dict, t0: float) -> None:
+        """Join ``plan``'s generation, rebuild every group, restore, restart mirroring (survivor or spare)."""
+        cfg = self.config
+        rank = plan.rank_of(worker_id())
+        if rank is None:
+            raise RecoveryError(f"worker {worker_id()} is not in the plan for generation {plan.generation}")
+        t1 = time.monotonic()
+        gen = Generation(plan.generation, rank, plan.world_size)
+        marks = {}
+        join(self.store, gen, self.backend, cfg.recovery.collective_timeout_s, cfg.recovery.rendezvous_timeout_s,
+             marks=marks)
+        self.generation = gen
+        if self.events is not None:
+            self.events.generation = gen.index
+        t_joined = time.monotonic()
+        self._check_host_groups(records)
+        # hotspare's own groups first: the state transfer starts on them and its bytes move while
+        # DeepSpeed's groups are built.
+        data_group, control_group = self._hotspare_groups()
+        t_own_groups = time.monotonic()
+        kept = self._take_over_retained(rank) if retained is None else {}
+        holdings = exchange_holdings(control_group, gen.world_size, retained, kept)
+        # A spare that took a rank in a generation that failed while it formed is not in this
+        # plan's ``replaced``, but it holds no state of its own either.
+        new_ranks = sorted({int(r) for r in plan.replaced} | {r for r, h in enumerate(holdings) if not h.own})
+        pending = target = lost = None
+        try:
+            target = choose_version(holdings, new_ranks, stripe_k=cfg.retain.k if cfg.retain.tier2 == "stripe" else 0)
+        except NoConsistentVersion as exc:
+            lost = exc
+        else:
+            pending = start_fetch(target, rank, new_ranks, holdings, retained, self.state.layout_for, data_group,
+                                  cfg.mirror.timeout_s)
+        t_groups = time.monotonic()
+        self._repointed = self._rebuild_host_groups(records)
+        phases["rebuild_s"] = time.monotonic() - t1
+        self.events("rebuild", groups=len(records), seconds=phases["rebuild_s"],
+                    arrive_s=marks["arrived"] - t1, join_s=t_joined - marks["arrived"],
+                    own_groups_s=t_own_groups - t_joined, holdings_s=t_groups - t_own_groups,
+                    host_groups_s=time.monotonic() - t_groups)
+
+        t2 = time.monotonic()
+        if lost is not None:
+            version, detail = self._fall_back(lost, control_group)
+            phases["fallback"] = detail["checkpoint"]
+        else:
+            version, detail = self._restore_from_memory(target, pending, retained)
+        agreed = [version, self.step_count()]
+        if self.same_layout_everywhere:
+            agreed.append(Layout.of(self.state.tensors()).id & 0xFFFFFFFF)
+        agree_on(control_group, agreed)
+        phases["restore_s"] = time.monotonic() - t2
+        self.events("restore", version=version, seconds=phases["restore_s"], **detail)
+
+        if retained is not None:
+            retained.transport.close()
+        # The last generation's own snapshot buffers (or, for a spare, the dead rank's retained
+        # segment) carry on: taken at the last moment, so that a failure before it leaves them
+        # where a retry of this recovery finds them.
+        self._start_mirror(data_group, control_group, lambda: (
+            retained.hand_over(version) if retained is not None else self._inherit_kept(version)))
+        self._drop_kept()
+        phases["total_s"] = time.monotonic() - t0
+        summary = {"generation": gen.index, "version": version, "replaced": plan.replaced,
+                   "failures": plan.failures, **phases}
+        self.recoveries.append(summary)
+        self.events("resume", version=version, **phases)
+        log(f"rank {rank}: generation {gen.index} resumes at step {version} "
+             f"({', '.join(f'{k} {v:.3f}' for k, v in phases.items() if k.endswith('_s'))})")
+
+    def _take_over_retained(self, rank: int) -> dict[int, int]:
+        """A spare: what this node's keeper retained of ``rank``, checked chunk by chunk
+        ({version: slot}; empty when nothing usable, e.g. the rank died on another node)."""
+        self._drop_kept()
+        if self.keeper is None:
+            return {}
+        try:
+            segment, good, detail = self.keeper.take_over(rank, self.state.layout_for)
+        except KeeperError as exc:
+            log(f"rank {rank}: {exc}; restoring from peers")
+            return {}
+        self.events("keeper_attach", **detail)
+        if detail.get("corrupt_chunks"):
+            log(f"rank {rank}: the keeper's copy of version(s) {', '.join(detail['corrupt_chunks'])} fails its "
+                 f"checksum (chunks {detail['corrupt_chunks']}); it is not used")
+        if segment is not None:
+            self._kept = (segment, good)
+        return good
+
+    def _inherit_kept(self, version: int) -> Inherited | None:
+        """A spare: the dead rank's retained segment becomes its own snapshots (the keeper would
+        hand it the same one), still holding ``version`` when that is what was restored from it."""
+        if self._kept is None:
+            return None
+        segment, good = self._kept
+        self._kept = None
+        layout = self.state.layout_for(segment.layout_id)
+        snapshots = RetainedSnapshots(segment, layout)
+        versions = [version if good.get(version) == slot else NO_VERSION for slot in range(len(snapshots.buffers))]
+        for slot, v in enumerate(versions):
+            if v == NO_VERSION:
+                snapshots.begin(slot)
+        return Inherited(layout, snapshots, versions)
+
+    def _restore_from_memory(self, target, pending, retained) -> tuple[int, dict]:
+        """Land on ``target``: this rank's own snapshot, its node keeper's copy, or its bytes from the
+        holders of its mirror (``pending``: the transfer started before the host's groups were built)."""
+        rank = self.generation.rank
+        received, moved = pending.wait()
+        first = target.sources[rank][0]
+        if first == KEEPER:
+            segment, good = self._kept
+            buf, layout, source = segment.slots[good[target.version]], self.state.layout_for(segment.layout_id), "keeper"
+        elif received is not None:
+            (buf, layout), source = received, "stripe" if first == STRIPE else "peers"
+        else:
+            buf = retained.own_snapshot(target.version) if retained is not None else None
+            layout, source = (retained.layout if retained is not None else None), "self"
+            if buf is None:
+                raise RecoveryError(f"rank {rank} has no snapshot of version {target.version} to restore")
+        self.state.restore(buf, layout)
+        self.state.resync()
+        return target.version, {"source": source, **moved}
+
+    def _fall_back(self, lost: NoConsistentVersion, control_group) -> tuple[int, dict]:
+        """Every in-memory copy of some rank is gone: load the newest complete persistent checkpoint
+        (every rank the same one), or stop every rank saying what was lost."""
+        ck, world = self.config.checkpoint, self.generation.world_size
+        steps = checkpoint.complete_steps(ck.dir, world) if ck.enabled else []
+        # Every writer drained before the scan (recover flushes), so all ranks see the same
+        # directory; the minimum guards against one that did not.
+        newest = torch.tensor([steps[-1] if steps else -1], dtype=torch.int64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN, group=control_group)
+        step = int(newest)
+        if step < 0:
+            where = (f"no complete checkpoint exists under {ck.dir}" if ck.enabled else
+                     "no persistent checkpoint is configured (hotspare.checkpoint)")
+            self.events("fallback", reason=str(lost), checkpoint=None)
+            message = (f"{lost}. {where.capitalize()} to fall back on; every rank stops. Add mirror replicas "
+                       f"(hotspare.mirror.replicas) or persistent checkpoints (hotspare.checkpoint.every) to "
+                       f"survive this failure.")
+            self.store.set(control.ABORT, message)  # every launcher stops its workers: no cascade of spares
+            raise RecoveryError(message) from None
+        path = os.path.join(ck.dir, checkpoint.tag_of(step))
+        self.events("fallback", version=step, reason=str(lost), checkpoint=path)
+        log(f"rank {self.generation.rank}: {lost}; falling back on the persistent checkpoint {path}: the steps "
+             f"since step {step} are run again")
+        self.state.load_checkpoint(ck.dir, checkpoint.tag_of(step))
+        return step, {"source": "checkpoint", "checkpoint": path}
+
+    def _join_as_spare(self, plan, rank: int, t_order: float) -> None:
+        """A spare whose host objects are built for ``rank`` (on torch's fake group): wait for the
+        order if it has not come yet, join the survivors' generation and land with them."""
+        records = self.host_groups()
+        leave()  # the fake group
+        t_built = time.monotonic()
+        if plan is None:
+            plan = wait_for_takeover(self.store, self.heartbeat)
+            if plan.rank_of(worker_id()) != rank:
+                raise RecoveryError(f"spare {worker_id()} built rank {rank}'s state as told, but the plan for "
+                                    f"generation {plan.generation} gives it rank {plan.rank_of(worker_id())}")
+        self.events("takeover", generation=plan.generation, replaced=plan.replaced)
+        self._land(plan, plan.generation, records, None, {"engine_build_s": t_built - t_order}, t_order)
+
+    # ---- what each host framework says -----------------------------------------------------
+
+    def roots(self) -> list:
+        """Where the host keeps process-group handles (walked by :mod:`hotspare.rebuild`)."""
+        raise NotImplementedError
+
+    def host_groups(self) -> list:
+        """The host's process groups (records taken before the old generation's are destroyed)."""
+        return rebuild.find_groups(self.roots())
+
+    def _check_host_groups(self, records) -> None:
+        """Before any group of the new generation is made: every rank must rebuild the same ones."""
+        rebuild.check_signature(records, self.generation.world_size)
+
+    def _rebuild_host_groups(self, records) -> list:
+        """The host's groups anew in the current generation, every handle re-pointed; returns the
+        records of the new groups (the host holds them from here on)."""
+        mapping = rebuild.create_groups(records, self.config.recovery.collective_timeout_s, backend=self.backend)
+        rebuild.repoint(self.roots(), mapping)
+        return [dataclasses.replace(r, group=mapping[id(r.group)]) for r in records]
+
+    def _stages(self, group) -> list[int] | None:
+        """Every rank's pipeline stage (collective over ``group``), or None without pipelines."""
+        return None
+
+    def _hotspare_groups(self) -> tuple:
+        """The mirror's data and control groups for the current generation (gloo, host memory)."""
+        timeout = datetime.timedelta(seconds=self.config.mirror.timeout_s)
+        # Mirror bytes and the per-step agreement get groups of their own, so they never queue
+        # behind the training collectives.
+        data_group = dist.new_group(backend="gloo", timeout=timeout)
+        control_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.groups = (data_group, control_group)
+        return data_group, control_group
+
+    def _start_mirror(self, data_group, control_group,
+                      inherit: Callable[[], Inherited | None] = lambda: None) -> None:
+        """Start mirroring in the current generation and seed it with the state as it is now
+        (``inherit()``: the last generation's own snapshot buffers, reused: no allocation)."""
+        cfg, gen = self.config, self.generation
+        mc = cfg.mirror
+        if not (mc.enabled and (mc.replicas > 0 or self.keeper is not None or cfg.retain.tier2 == "stripe")
+                and gen.world_size > 1):
+            return
+        nodes = node_ranks(control_group)
+        rc = cfg.retain
+        stripe = (rc.k, rc.m) if rc.tier2 == "stripe" else None
+        try:
+            if stripe is not None:
+                try:
+                    rc.check_nodes(len(set(nodes)))
+                    holders = erasure.place_shares(nodes, rc.k, rc.m)
+                except ValueError as exc:
+                    if gen.index == 0:
+                        raise
+                    # A spare of another node took a lost node's rank: the job has fewer nodes
+                    # than the stripe needs. Protect with full copies until it ends (better than
+                    # stopping a job that can go on).
+                    log(f"rank {gen.rank}: generation {gen.index} cannot stripe ({exc}); tier 2 falls back to "
+                         f"mirror copies (mirror.replicas={max(1, mc.replicas)}) for the rest of the job")
+                    self.events("tier2_degraded", reason=str(exc), nodes=nodes)
+                    stripe = None
+                    holders = place(nodes, max(1, mc.replicas))
+            else:
+                holders = place(nodes, mc.replicas, stage_of_rank=self._stages(control_group))
+        except ValueError as exc:
+            key = "retain.k/m" if stripe is not None else f"mirror.replicas={mc.replicas}"
+            raise ConfigError(f"hotspare.{key}: {exc}") from None
+        snapshots = None
+        if self.keeper is not None:
+            def note(text: str) -> None:
+                log(f"rank {gen.rank}: {text}")
+                self.events("retain_budget", note=text)
+
+            snapshots = self.keeper.snapshots_for(gen.rank, mc.chunk_bytes, cfg.retain.budget_bytes, note)
+
+        def agree(t: torch.Tensor) -> None:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group)
+
+        self.mirror = Mirror(gen.rank, gen.index, holders, GlooTransport(data_group, gen.rank), agree,
+                             in_flight=mc.in_flight, chunk_bytes=mc.chunk_bytes, timeout_s=mc.timeout_s,
+                             pin_memory=self.pin_memory, on_event=self.events, snapshots=snapshots, stripe=stripe,
+                             inherit=inherit())
+        self.events("mirror_start", holders=holders[gen.rank], nodes=nodes, single_node=len(set(nodes)) == 1)
+        # The state as it is now is a version too: a failure in the very next step lands here.
+        self.mirror.on_step(self.step_count(), self.state.tensors, self.state.meta)
+
+    def close(self) -> None:
+        """Stop mirroring, write the queued checkpoints, leave the current generation; call once at
+        the end of training."""
+        if self.mirror is not None:
+            try:  # the last round, so that no peer's round fails on a transport closed under it
+                self.mirror.flush(self.config.mirror.timeout_s)
+            except MirrorError:
+                pass  # a peer is gone already: nothing left to mirror to
+            self.mirror.close()
+            self.mirror = None
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+            self.checkpoints = None
+        self._drop_kept()
+        for old in self._retired:
+            if not old.join():
+                log(f"rank {self.generation.rank}: a mirror thread of generation {old.generation} is still blocked "
+                     f"in a transfer after {old.timeout_s + 5} s")
+        self._retired = []
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
+        if self.events is not None:
+            self.events.close()
+        for group in self.groups:
+            dist.destroy_process_group(group)
+        self.groups = ()
+        leave()
+        self.store = None
+
+
+def log(msg: str) -> None:
+    print(f"[hotspare] {msg}", file=sys.stderr, flush=True)
+
+
+def agree_on(group, values: list[int]) -> None:
+    """Every rank must hold the same ``values`` (landing version, step, layout) before resuming."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    lo, hi = mine.clone(), -mine
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(lo, -hi):
+        raise RecoveryError(f"ranks disagree after the restore on (version, step[, layout]): min {lo.tolist()}, "
+                            f"max {(-hi).tolist()}; not resuming on inconsistent state")
+
+
+def join_from_env(backend: str, timeout_s: float) -> tuple[Generation, Any]:
+    gen = Generation(index=env.env_int(env.HOTSPARE_GENERATION, 0), rank=env.env_int("RANK"),
+                     world_size=env.env_int("WORLD_SIZE"))
+    store = store_from_env()
+    join(store, gen, backend, timeout_s)
+    return gen, store
+
+
+@contextlib.contextmanager
+def default_group_timeout(seconds: float):
+    """Within the block, a process group created without a timeout gets ``seconds``.
+
+    torch reads ``distributed_c10d.default_pg_timeout`` (``default_pg_nccl_timeout`` for NCCL)
+    when ``new_group`` is given none (pinned by tests/test_recovery_pieces.py).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=seconds)
+    saved = {name: getattr(c10d, name) for name in ("default_pg_timeout", "default_pg_nccl_timeout")
+             if hasattr(c10d, name)}
+    for name, value in saved.items():
+        if isinstance(value, datetime.timedelta):
+            setattr(c10d, name, timeout)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(c10d, name, value)
+
+
+def keeper_for(cfg: HotspareConfig) -> KeeperClient | None:
+    if not (cfg.retain.keeper and cfg.mirror.enabled):
+        return None
+    path = os.environ.get(env.HOTSPARE_KEEPER_SOCKET)
+    if not path:
+        log("hotspare.retain.keeper is on, but no keeper runs for this process (start it with hotspare-run): "
+             "its state is kept in its own memory and its peers' only")
+        return None
+    return KeeperClient(path)
+
+
+def heartbeat_for(cfg: HotspareConfig, store) -> Heartbeat | None:
+    if store is None or not cfg.recovery.enabled:
+        return None
+    return Heartbeat(worker_id(), cfg.recovery.heartbeat_interval_s, cfg.recovery.heartbeat_timeout_s)
+
+
+def wait_for_takeover(store, heartbeat, prepare: bool = False):
+    try:
+        return wait_for_order(store, worker_id(), prepare)
+    except Shutdown:
+        if heartbeat is not None:
+            heartbeat.close()
+        raise SystemExit(0) from None
+
+
+@dataclass
+class Takeover:
+    """A spare's order: the rank it takes in ``generation`` (``plan`` is None while the coordinator
+    is still planning: the spare builds its state meanwhile and waits for the plan after)."""
+
+    store: Any
+    heartbeat: Heartbeat | None
+    plan: control.Plan | None
+    rank: int
+    world_size: int
+    generation: int
+    t_order: float
+
+
+def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lambda: None) -> Takeover:
+    """A spare (``HOTSPARE_ROLE=spare``): warm up, wait for a takeover order, then stand in for
+    the rank it names on torch's fake process group (collectives do nothing), so that the host
+    builds that rank's objects while the coordinator plans; :meth:`Session._join_as_spare`
+    then joins the survivors' real generation and re-points exactly as they do. Exits the
+    process (status 0) when the job ends first."""
+    if cfg is None or not cfg.enabled or not cfg.recovery.enabled:
+        raise ConfigError("this process was started as a spare, but the config's \"hotspare\" section is "
+                          "missing or has recovery off; give the job's config to every worker")
+    store = store_from_env()
+    heartbeat = heartbeat_for(cfg, store)
+    warm_up()
+    # The coordinator names the rank as soon as the failure is reported (Prepare), so the
+    # host's objects are built while it settles and plans; the order (the plan) follows.
+    order = wait_for_takeover(store, heartbeat, prepare=True)
+    t_order = time.monotonic()
+    plan = None
+    if isinstance(order, control.Prepare):
+        rank, world, generation = order.rank, order.world_size, order.generation
+    else:
+        plan = order
+        rank, world, generation = plan.rank_of(worker_id()), plan.world_size, plan.generation
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    # The dead rank's device index on its node (free now that it died). A spare on another
+    # node would need a device its launcher reserved: not built yet (CPU-only so far).
+    os.environ["LOCAL_RANK"] = str(rank % env.env_int("LOCAL_WORLD_SIZE", world))
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    return Takeover(store, heartbeat, plan, rank, world, generation, t_order)
+
+
+def gather_ints(value: int, group=None) -> list[int]:
+    """Every rank's ``value``, by rank (one all-gather over ``group``, default: the default group)."""
+    mine = torch.tensor([value], dtype=torch.int64)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [int(t) for t in out]
+
+
+def node_ranks(group=None) -> list[int]:
+    """Every rank's (logical) node, gathered over ``group`` (default: the default group)."""
+    return gather_ints(env.env_int(env.HOTSPARE_NODE_RANK, 0), group)
