@@ -87,3 +87,34 @@ def test_impossible_placements_are_refused(nodes, replicas, message):
 def test_zero_replicas_places_nothing():
     assert place([0, 1], 0) == {0: [], 1: []}
     assert all(not v for v in itertools.chain(place([0, 0, 1], 0).values()))
+
+
+def megatron_stages(pp: int, dp: int) -> list[int]:
+    """megatron-core's rank order (tp=1): rank r is in stage r // dp."""
+    return [r // dp for r in range(pp * dp)]
+
+
+@pytest.mark.parametrize("pp,dp,per_node", [(2, 3, 2), (2, 2, 1), (3, 2, 2), (2, 4, 2), (4, 2, 2)])
+def test_pipeline_stages_mirror_away_from_the_nodes_of_their_own_stage(pp, dp, per_node):
+    """Losing any one node never leaves a single node holding both the last live replicas of a
+    stage and the mirrors of that stage's lost ranks, when another placement exists."""
+    stages = megatron_stages(pp, dp)
+    nodes = [r // per_node for r in range(pp * dp)]
+    holders = place(nodes, 1, stage_of_rank=stages)
+    for src, (h,) in holders.items():
+        assert nodes[h] != nodes[src]
+        others = {nodes[r] for r in range(len(nodes)) if stages[r] == stages[src]}
+        if len(set(nodes)) > len(others):  # some node holds no rank of this stage
+            assert nodes[h] not in others, (src, h)
+    for lost in set(nodes):
+        for stage in set(stages):
+            gone = [r for r in range(len(nodes)) if stages[r] == stage and nodes[r] == lost]
+            live = {nodes[r] for r in range(len(nodes)) if stages[r] == stage and nodes[r] != lost}
+            mirrors = {nodes[holders[r][0]] for r in gone}
+            if gone and len(live) == 1 and len(set(nodes)) > 2:
+                assert mirrors != live, (lost, stage)
+
+
+def test_without_stages_the_ring_placement_is_unchanged():
+    nodes = [0, 0, 1, 1, 2, 2]
+    assert place(nodes, 1, stage_of_rank=[0] * 6) == place(nodes, 1)

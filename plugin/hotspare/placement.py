@@ -8,6 +8,10 @@ ranks of one node. The result depends only on the (rank -> node) map, so a rebui
 a spare takes a dead rank's id on the same node reproduces the placement exactly; passing the
 ``previous`` placement keeps every pair that is still valid when a spare comes from another
 node, so only the pairs that the move broke are placed anew.
+
+With pipeline stages (``stage_of_rank``), a rank's holders are taken first from nodes that hold
+no rank of its own stage: a node's loss then never leaves one node with both the stage's last
+live replicas and the mirrors of the ranks it lost, where another placement exists.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ def ring_order(node_of_rank: Sequence[int]) -> list[int]:
 
 
 def place(node_of_rank: Sequence[int], replicas: int,
-          previous: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+          previous: dict[int, list[int]] | None = None,
+          stage_of_rank: Sequence[int] | None = None) -> dict[int, list[int]]:
     """Holders of each rank's mirror: ``{source rank: [holder ranks]}``.
 
     Holders are on other nodes whenever another node exists; on a single node they are other
@@ -68,6 +73,9 @@ def place(node_of_rank: Sequence[int], replicas: int,
         # Fresh placement: ring order. Repair: the least-loaded valid ranks, ring order on ties.
         if previous:
             candidates.sort(key=lambda c: load[c])
+        if stage_of_rank is not None:  # stable: nodes without a replica of the source's stage first
+            stage_nodes = {node_of_rank[r] for r in range(num_ranks) if stage_of_rank[r] == stage_of_rank[src]}
+            candidates.sort(key=lambda c: node_of_rank[c] in stage_nodes)
         for cand in candidates[:replicas - len(chosen)]:
             chosen.append(cand)
             load[cand] += 1

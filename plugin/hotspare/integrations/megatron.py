@@ -1,9 +1,13 @@
-"""megatron-core: the unique state of one rank of a pipeline-parallel x data-parallel job.
+"""megatron-core: mirroring and in-place recovery of a pipeline-parallel x data-parallel job.
 
-Issue 6 in progress: this module holds what the mirror, keeper and restore need from a
-megatron-core rank (the razor, as :class:`hotspare.integrations.deepspeed.DeepSpeedState` does
-for ZeRO); the recovery wiring (the ``parallel_state`` groups rebuilt in place, the pipeline
-schedule resumed) is not built yet.
+:func:`initialize` sets up ``parallel_state`` and the caller's model, optimizer and scheduler
+(built by the caller's ``build`` function, so that a spare builds the rank it takes) and
+returns a :class:`MegatronSession`; :class:`MegatronState` is what the mirror, keeper and
+restore need from a rank (the razor, as :class:`hotspare.integrations.deepspeed.DeepSpeedState`
+does for ZeRO). At a recovery every ``parallel_state`` group is made anew for the new
+generation by ``initialize_model_parallel`` with the job's arguments, and every handle the
+model and optimizer hold (DDP, its buckets, the distributed optimizer's own bucket groups, the
+model's ``pg_collection`` and per-layer ``tp_group``...) is re-pointed by global name.
 
 Where megatron-core 0.16.1 keeps it (pinned by tests/test_megatron_pipeline.py):
 
@@ -24,12 +28,25 @@ rank all-gathers them (:meth:`MegatronState.resync`).
 """
 from __future__ import annotations
 
+import json
 import random
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from .. import rebuild
+from ..config import DEEPSPEED_SECTION, ConfigError, HotspareConfig, from_mapping
+from ..events import EventLog
+from ..generation import Generation
+from ..recovery import RecoveryError
+from ..session import Session, await_takeover, gather_ints, heartbeat_for, join_from_env, keeper_for
 from ..snapshot import Layout, read_meta
+from ..worker import role
 
 SUPPORTED_MEGATRON = ("0.16.",)
 
@@ -68,6 +85,8 @@ class MegatronState:
     def __init__(self, model_chunks: list, optimizer, scheduler=None, data_state=None, load_data_state=None):
         self.model_chunks, self.optimizer, self.scheduler = list(model_chunks), optimizer, scheduler
         self.data_state, self.load_data_state = data_state, load_data_state
+        self.iteration = 0
+        """Iterations done (optimizer steps taken): the version the state is at."""
         self._shards = shards(optimizer)
         self._inner = {id(p): do.optimizer for do in distributed_optimizers(optimizer)
                        for _, p in shards(do)}
@@ -94,7 +113,8 @@ class MegatronState:
 
     def meta(self) -> dict:
         py, nps = random.getstate(), np.random.get_state()
-        meta = {"rng_python": {"version": py[0], "gauss_next": py[2]},
+        meta = {"iteration": self.iteration,
+                "rng_python": {"version": py[0], "gauss_next": py[2]},
                 "rng_numpy": {"kind": nps[0], "pos": int(nps[2]), "has_gauss": int(nps[3]),
                               "cached_gaussian": float(nps[4])}}
         if self.scheduler is not None:
@@ -106,6 +126,7 @@ class MegatronState:
     def restore(self, buf: torch.Tensor, layout: Layout) -> None:
         """Put snapshot ``buf`` back: shards and optimizer state in place (every alias sees
         them), RNG states, the scheduler, the data position. :meth:`resync` must follow."""
+        self._conform(layout)
         live = self.tensors()
         if not layout.matches(live):
             raise RuntimeError(f"the snapshot's layout ({layout.nbytes} bytes, {len(layout.segments)} tensors) is not "
@@ -117,6 +138,19 @@ class MegatronState:
             for name, tensor in live:
                 if not name.startswith("rng."):
                     tensor.copy_(views[name])
+        self._apply(meta, views)
+
+    def extras(self) -> dict:
+        """What a megatron-core checkpoint lacks for a bitwise resume: the metadata (iteration,
+        scheduler, RNG and data positions) and the RNG states."""
+        return {"meta": self.meta(), "rng": {n: t.clone() for n, t in self.tensors() if n.startswith("rng.")}}
+
+    def load_extras(self, extras: dict) -> None:
+        """Put :meth:`extras` back (after the checkpoint's tensors were loaded)."""
+        self._apply(extras["meta"], extras["rng"])
+
+    def _apply(self, meta: dict, views: dict) -> None:
+        """RNG states, the scheduler, the data position and the iteration count."""
         torch.set_rng_state(views["rng.torch"].clone())
         if "rng.cuda" in views:
             torch.cuda.set_rng_state(views["rng.cuda"].clone())
@@ -132,11 +166,301 @@ class MegatronState:
             self.scheduler.step(0)  # the learning rate and weight decay of that step, into the param groups
         if "data" in meta and self.load_data_state is not None:
             self.load_data_state(meta["data"])
+        self.iteration = int(meta["iteration"])
+
+    def layout_for(self, layout_id: int) -> Layout | None:
+        """This rank's layout with id ``layout_id`` (with or without Adam's state), or None.
+
+        torch's Adam creates its state at the first step: a snapshot of iteration 0 has none,
+        every later one has; a rank that has not stepped yet (a spare) gets it created (then
+        overwritten by the restore) to take a later version.
+        """
+        layout = Layout.of(self.tensors())
+        if layout.id == layout_id:
+            return layout
+        had = self._has_optimizer_state()
+        self._set_optimizer_state(not had)
+        other = Layout.of(self.tensors())
+        if other.id == layout_id:
+            return other
+        self._set_optimizer_state(had)
+        return None
+
+    def ensure_optimizer_state(self) -> None:
+        """Create Adam's per-shard state if the optimizer has not stepped yet (values to be
+        overwritten): megatron-core 0.16.1 without Apex or Transformer Engine cannot build the
+        sharded state dict a ``dist_checkpointing.load`` needs before that
+        (``DistributedOptimizer.state_dict`` asserts exactly one step count)."""
+        if not self._has_optimizer_state():
+            self._set_optimizer_state(True)
+
+    def _has_optimizer_state(self) -> bool:
+        return any(self._inner[id(p)].state.get(p) for _, p in self._shards)
+
+    def _conform(self, layout: Layout) -> None:
+        wants = any(s.name.startswith("optim.") for s in layout.segments)
+        if wants != self._has_optimizer_state():
+            self._set_optimizer_state(wants)
+
+    def _set_optimizer_state(self, present: bool) -> None:
+        """Create (one zero-gradient inner step at learning rate 0: the optimizer's own shapes and
+        dtypes) or drop Adam's per-shard state; the restore overwrites every value."""
+        for inner in {id(o): o for o in self._inner.values()}.values():
+            params = [p for g in inner.param_groups for p in g["params"]]
+            if not present:
+                for p in params:
+                    inner.state.pop(p, None)
+                continue
+            saved = [dict(g) for g in inner.param_groups]
+            with warnings.catch_warnings():  # fp32 shards are views into DDP's buffer (not leaves)
+                warnings.simplefilter("ignore", UserWarning)
+                grads = [p.grad for p in params]
+            for g in inner.param_groups:
+                g["lr"] = 0.0
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            try:
+                inner.step()
+            finally:
+                for p, grad in zip(params, grads):
+                    p.grad = grad
+                for g, s in zip(inner.param_groups, saved):
+                    g.update(s)
 
     def resync(self) -> None:
-        """Every data-parallel rank all-gathers its stage's weights from the restored shards
-        (collective) and drops the interrupted iteration's gradients."""
+        """Drop what an interrupted iteration left (gradients, bucket state, handles of the dead
+        generation's collectives), then every data-parallel rank all-gathers its stage's weights
+        from the restored shards (collective)."""
+        self.clear_interrupted_iteration()
         for chunk in self.model_chunks:
             chunk.start_param_sync(force_sync=True)
+
+    def clear_interrupted_iteration(self) -> None:
+        """Local: gradients and DDP bucket-group state as at the start of an iteration.
+
+        Every bucket group goes back to its first-batch mode (gradients reduced at the end of
+        the backward, then the per-parameter counts recorded again), on every rank alike: a
+        spare's groups are new, and an interrupted backward leaves partial counts that DDP
+        would otherwise record as the iteration's shape. The reduced values do not depend on
+        when a reduction starts, so the iteration is bitwise the same.
+        """
+        groups = []
+        for chunk in self.model_chunks:
+            groups += list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", []))
+        for do in distributed_optimizers(self.optimizer):
+            for per_model in getattr(do, "per_model_bucket_groups", {}).values():
+                groups += list(per_model)
+        for g in groups:
+            g.grad_reduce_handle = None
+            g.param_gather_handle = None
+            g.param_gather_dispatched = False
+            g.per_param_grad_ready_counts = {}
+            g.golden_per_param_grad_ready_counts = {}
+            g.is_first_batch = True
+            g.is_last_microbatch = True
+        for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+
+def parallel_state_groups() -> dict[str, dist.ProcessGroup]:
+    """``parallel_state``'s process groups by global name (lists and dicts of groups by
+    ``NAME[i]``/``NAME[key]``): what :func:`initialize_model_parallel` makes, by role."""
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for name, value in sorted(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            out[name] = value
+        elif name != "_global_process_group_list" and isinstance(value, (list, tuple, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(item, dist.ProcessGroup):
+                    out[f"{name}[{key}]"] = item
+    return out
+
+
+@dataclass(kw_only=True)
+class MegatronSession(Session):
+    """What :func:`initialize` returns: the caller's megatron-core objects plus hotspare's handles.
+
+    The training loop gains failover with two lines, as on DeepSpeed::
+
+        @session.resilient
+        def train_step(iteration):           # one whole iteration
+            model[0].zero_grad_buffer(); optimizer.zero_grad()
+            forward_backward(forward_step_func=..., data_iterator=batches(iteration), model=model, ...)
+            optimizer.step(); scheduler.step(increment=samples_per_iteration)
+
+        for iteration in session.steps(total_iterations):
+            train_step(iteration)
+
+    ``steps`` counts the iterations and mirrors the state after each one that completes; after a
+    recovery it yields the landing iteration again, so the interrupted one (and any a survivor
+    had run past it) is run again with the same batches.
+    """
+
+    model: list
+    """The model chunks (megatron-core DDP modules), as ``build`` returned them."""
+    optimizer: Any
+    """What ``get_megatron_optimizer`` returned."""
+    scheduler: Any
+    """The ``OptimizerParamScheduler`` (or None)."""
+    parallel: dict
+    """``initialize_model_parallel``'s arguments: every generation builds the same groups from them."""
+    state: MegatronState | None = None
+    same_layout_everywhere: bool = False
+    _ps_groups: dict = field(default_factory=dict)
+    """``parallel_state``'s groups by name, the ones the model and optimizer point at."""
+
+    def step_count(self) -> int:
+        return self.state.iteration
+
+    def steps(self, total: int):
+        while self.state.iteration < total:
+            recoveries = len(self.recoveries)
+            yield self.state.iteration
+            if len(self.recoveries) == recoveries:  # the iteration completed (not recovered)
+                try:
+                    self.iteration_done()
+                except Exception as exc:  # noqa: BLE001 - classified below
+                    if not self._can_recover(exc):
+                        raise
+                    self.recover(exc)
+
+    def iteration_done(self) -> None:
+        """One iteration has completed (optimizer and scheduler stepped): count it and mirror the
+        new state. :meth:`steps` calls it; a loop of its own calls it after each iteration."""
+        self.state.iteration += 1
+        if self.mirror is not None:
+            self.mirror.on_step(self.state.iteration, self.state.tensors, self.state.meta)
+
+    def roots(self) -> list:
+        from megatron.core import parallel_state as ps
+
+        return [self.model, self.optimizer, self.scheduler, ps]
+
+    def _stages(self, group) -> list[int]:
+        from megatron.core import parallel_state as ps
+
+        return gather_ints(ps.get_pipeline_model_parallel_rank(), group)
+
+    def _check_host_groups(self, records) -> None:
+        # Each rank holds only its own groups (its stage's data-parallel group, its pipeline...),
+        # so the ranks agree on what makes them all: the parallel layout.
+        rebuild.check_same(json.dumps(self.parallel, sort_keys=True, default=str),
+                           "the megatron-core parallel layout (initialize_model_parallel's arguments)")
+
+    def _rebuild_host_groups(self, records) -> list:
+        """``initialize_model_parallel`` again in the new generation (collective: every rank makes
+        every group), then each old handle the model and optimizer hold is re-pointed to the new
+        group of the same name."""
+        from megatron.core import parallel_state as ps
+
+        old = self._ps_groups
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(**self.parallel)
+        new = parallel_state_groups()
+        mapping: dict[int, dist.ProcessGroup] = {}
+        for name, group in old.items():
+            if name not in new:
+                raise RecoveryError(f"parallel_state.{name} held a process group before the rebuild and none after "
+                                    f"initialize_model_parallel({self.parallel}); it cannot be re-pointed")
+            if mapping.setdefault(id(group), new[name]) is not new[name]:
+                raise RecoveryError(f"parallel_state.{name} aliased another group before the rebuild but not after; "
+                                    f"this megatron-core's groups are not rebuilt by name")
+        try:
+            rebuild.repoint([self.model, self.optimizer, self.scheduler], mapping)
+        except RuntimeError as exc:
+            raise RecoveryError(f"{exc} (the model or optimizer holds a process group that is not one of "
+                                f"megatron-core's parallel_state groups; hotspare rebuilds only those)") from None
+        self._ps_groups = new
+        return rebuild.find_groups(self.roots())
+
+    def close(self) -> None:
+        super().close()
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+
+def parse_config(config: Mapping | HotspareConfig | str | None) -> HotspareConfig | None:
+    """The ``"hotspare"`` section: a mapping (the section, or a dict holding it under
+    ``"hotspare"``), a JSON file path, or a HotspareConfig; None turns hotspare off."""
+    if config is None or isinstance(config, HotspareConfig):
+        return config
+    if isinstance(config, str):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"the hotspare config must be a mapping, a JSON path or a HotspareConfig, got "
+                          f"{type(config).__name__}")
+    section = config.get(DEEPSPEED_SECTION, config)
+    return from_mapping(HotspareConfig, section, prefix=DEEPSPEED_SECTION)
+
+
+def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | str | None, *,
+               tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, data_state=None,
+               load_data_state=None, backend: str | None = None, **parallel) -> MegatronSession:
+    """Join the job's process group (through ``hotspare-run``'s control store), initialise
+    ``parallel_state`` and build this rank's objects with ``build()`` -> ``(model_chunks,
+    optimizer, scheduler)``: megatron-core DDP chunks, ``get_megatron_optimizer``'s optimizer
+    with the distributed optimizer (each rank's unique state is its shard) and
+    ``use_gloo_process_groups=False``, and an ``OptimizerParamScheduler`` or None.
+
+    ``build`` runs after ``parallel_state`` is set up, so it sees this rank's stage; a spare
+    (``HOTSPARE_ROLE=spare``) runs it for the rank it takes, while the coordinator plans, and
+    returns a session restored to the landing iteration. The remaining keyword arguments go to
+    ``initialize_model_parallel`` (which hotspare calls, and calls again at each recovery);
+    its gloo twins of the data-parallel groups are not made (``create_gloo_process_groups``
+    is False), and its groups get ``recovery.collective_timeout_s``. On CPU apply
+    ``hotspare_patches.megatron_core_cpu`` first.
+    """
+    check_version()
+    from megatron.core import parallel_state as ps
+
+    hs = parse_config(config)
+    if hs is not None and hs.checkpoint.enabled:
+        raise ConfigError("hotspare.checkpoint: the persistent-checkpoint fallback is built for DeepSpeed only (a "
+                          "megatron-core dist_checkpointing fallback is not built yet); set checkpoint.every to 0")
+    if ps.model_parallel_is_initialized():
+        raise RuntimeError("parallel_state is initialised already: let hotspare's initialize call "
+                           "initialize_model_parallel (pass its arguments here), so that it can rebuild the groups")
+    if parallel.pop("create_gloo_process_groups", False):
+        raise ConfigError("create_gloo_process_groups=True: hotspare does not rebuild megatron-core's gloo twins of "
+                          "the data-parallel groups; leave it out (and pass use_gloo_process_groups=False to "
+                          "get_megatron_optimizer)")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout_s = hs.recovery.collective_timeout_s if hs is not None else 120.0
+    parallel = {"tensor_model_parallel_size": tensor_model_parallel_size,
+                "pipeline_model_parallel_size": pipeline_model_parallel_size, **parallel,
+                "create_gloo_process_groups": False, "distributed_timeout_minutes": timeout_s / 60.0}
+    spare = role() == "spare"
+    store = heartbeat = order = None
+    if spare:
+        order = await_takeover(hs)
+        store, heartbeat = order.store, order.heartbeat
+        gen = Generation(order.generation - 1, order.rank, order.world_size)
+    elif dist.is_initialized():
+        gen = Generation(index=0, rank=dist.get_rank(), world_size=dist.get_world_size())
+    else:
+        gen, store = join_from_env(backend, timeout_s)
+        if hs is not None and hs.enabled:
+            heartbeat = heartbeat_for(hs, store)
+    ps.initialize_model_parallel(**parallel)
+    model, optimizer, scheduler = build()
+    model = list(model) if isinstance(model, (list, tuple)) else [model]
+    session = MegatronSession(model=model, optimizer=optimizer, scheduler=scheduler, parallel=parallel, config=hs,
+                              generation=gen, store=store, heartbeat=heartbeat, spare=spare, backend=backend,
+                              pin_memory=torch.cuda.is_available())
+    session.state = MegatronState(model, optimizer, scheduler, data_state, load_data_state)
+    session._ps_groups = parallel_state_groups()
+    if hs is None or not hs.enabled:
+        return session
+    session.events = EventLog(hs.events_dir, gen.rank, gen.index)
+    session.keeper = keeper_for(hs)
+    if spare:
+        session._join_as_spare(order.plan, order.rank, order.t_order)
+    elif gen.world_size > 1:
+        session._start_mirror(*session._hotspare_groups())
+    return session
