@@ -9,8 +9,10 @@ megatron-core assumes CUDA in a handful of places (line numbers of 0.16.1):
   (``distributed/param_and_grad_buffer.py:800, 806``), the pipeline's receive buffers
   (``pipeline_parallel/p2p_communication.py:313, 321``, and ``torch.cuda.synchronize()`` at
   ``:398``), the token count of a schedule (``pipeline_parallel/schedules.py:2138``), the
-  optimizer's overflow flags (``optimizer/optimizer.py:481, 485``) and the grad-norm buffers
-  (``optimizer/clip_grads.py:103, 174, 207``);
+  optimizer's overflow flags (``optimizer/optimizer.py:481, 485``), the grad-norm buffers
+  (``optimizer/clip_grads.py:103, 174, 207``) and ``dist_checkpointing``'s save
+  (``strategies/filesystem_async.py:230`` synchronizes, ``strategies/state_dict_saver.py:204,
+  252`` and ``strategies/async_utils.py:165`` all-reduce CUDA tensors);
 - type-name checks against ``'torch.cuda.FloatTensor'`` (``optimizer/distrib_optimizer.py:420``
   raises TypeError for a CPU parameter; ``optimizer/clip_grads.py:167`` asserts);
 - the RNG tracker forks the CUDA generator (``tensor_parallel/random.py:235-238``), used by
@@ -66,6 +68,11 @@ P1_MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.tensor_parallel.random",  # torch.cuda.manual_seed in model_parallel_cuda_manual_seed
     "megatron.core.tensor_parallel.layers",  # weight init when use_cpu_initialization is off
+    # dist_checkpointing (the restart baseline's save and load): torch.cuda.synchronize() after
+    # the device-to-host copies, a CUDA tensor for the async writer's liveness all-reduce.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # the save's verify/failure all-reduces
 )
 
 TYPE_NAMES = {

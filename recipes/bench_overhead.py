@@ -5,8 +5,10 @@ needs k+m nodes).
 
     python recipes/bench_overhead.py out=overhead.json
     python recipes/bench_overhead.py out=o.json stages=[2] model=small train.steps=400 block=25
+    python recipes/bench_overhead.py out=m.json framework=megatron     # PP=2 x DP=2, key "pp2"
 
-Writes one JSON object: ``stages`` -> {stage: {baseline_step_s, mirror_step_s, overhead,
+Writes one JSON object: ``stages`` -> {stage (DeepSpeed's ZeRO stage; with
+``framework=megatron`` the key ``pp<P>``, and no stripe run): {baseline_step_s, mirror_step_s, overhead,
 mirror_bytes_per_step, unique_bytes_per_param, waits, skips, capture_ms_per_round (the training
 thread's copy), round_ms_per_round and round_cpu_ms_per_round (the mirror thread's wall and
 CPU time), ..., stripe_step_s, stripe_baseline_step_s, stripe_overhead, stripe_*_ms_per_round,
@@ -83,18 +85,24 @@ def main(cfg) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     results = {}
     retain = bench.hotspare.retain
-    for stage in bench.stages:
+    # DeepSpeed: one run per ZeRO stage; megatron-core: one run of its pipeline layout.
+    runs = ([(str(stage), stage) for stage in bench.stages] if bench.framework == "deepspeed" else
+            [(f"pp{bench.parallel.pipeline_stages}", None)])
+    for key, stage in runs:
         job_data = {k: v for k, v in data.items() if k not in ("out", "stages", "block", "stripe")}
-        job_data["zero"] = {**job_data["zero"], "stage": stage}
+        if stage is not None:
+            job_data["zero"] = {**job_data["zero"], "stage": stage}
         job_data["hotspare"] = {**job_data["hotspare"], "retain": {**job_data["hotspare"].get("retain", {}),
                                                                    "tier2": "mirror"}}
         job = from_mapping(gpt_job.GPTJobConfig, job_data)
-        out_dir = os.path.join(run_dir, f"zero{stage}")
+        out_dir = os.path.join(run_dir, f"zero{stage}" if stage is not None else key)
         if gpt_job.launch(job, out_dir, mirror_block=bench.block) != 0:
-            sys.exit(f"bench_overhead: the ZeRO-{stage} run failed; see its output above")
+            sys.exit(f"bench_overhead: the {key} run failed; see its output above")
         r = measure(gpt_job.collect(out_dir, job.parallel.num_ranks), bench.block)
         r["tier2_memory_ratio"] = {"mirror": r["tier2_memory_ratio"]}
-        if bench.stripe:
+        # A stripe needs k+m one-rank nodes; a pipeline's stages need ranks of their own, so the
+        # stripe is measured on the DeepSpeed path only.
+        if bench.stripe and stage is not None:
             n = retain.k + retain.m
             job_data["parallel"] = {**job_data["parallel"], "num_ranks": n, "logical_nodes": n}
             job_data["hotspare"]["retain"] = {**job_data["hotspare"]["retain"], "tier2": "stripe"}
@@ -108,8 +116,8 @@ def main(cfg) -> None:
                      stripe_round_ms_per_round=s["round_ms_per_round"],
                      stripe_round_cpu_ms_per_round=s["round_cpu_ms_per_round"], stripe_num_ranks=n, stripe_k=retain.k, stripe_m=retain.m)
             r["tier2_memory_ratio"]["stripe"] = s["tier2_memory_ratio"]
-        results[str(stage)] = r
-    report = {"stages": results, "num_ranks": bench.parallel.num_ranks, "model": OmegaConf.to_container(cfg.model),
+        results[key] = r
+    report = {"framework": bench.framework, "stages": results, "num_ranks": bench.parallel.num_ranks, "model": OmegaConf.to_container(cfg.model),
               "steps": bench.train.steps, "block": bench.block, "in_flight": bench.hotspare.mirror.in_flight}
     with open(bench.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)

@@ -16,13 +16,18 @@ recovered three ways, in one run.
 - ``memory_restart``: the strongest restart-based alternative (DLRover Flash Checkpoint,
   Gemini): the checkpoint is written to /dev/shm every step, so only the restart and the
   load remain.
+- with ``framework=megatron`` (megatron-core pipeline stages x data parallelism) the restart
+  baseline is ``megatron_restart``: megatron-core's ``dist_checkpointing`` save every K
+  iterations and load after the restart (``memory_restart`` saves it to /dev/shm every
+  iteration); ``stripe`` is DeepSpeed's only here (it needs k+m one-rank nodes).
 
     python recipes/bench_recovery.py out=recovery.json
     python recipes/bench_recovery.py out=r.json kill_step=60 checkpoint_every=50 zero.stage=3
+    python recipes/bench_recovery.py out=m.json framework=megatron
 
 JSON: for each way ``detect_s``, ``rebuild_s``, ``restore_s``, ``recompute_s``, ``total_s``
 (fault to the moment training is back at the progress it had when the fault struck) and
-``lost_iterations``; top level ``speedup`` (deepspeed_restart / hotspare total),
+``lost_iterations``; top level ``speedup`` (deepspeed_restart, or megatron_restart, / hotspare total),
 ``speedup_vs_memory_restart``, ``keeper_speedup`` (deepspeed_restart / keeper total),
 ``stripe_speedup`` (against the 4-rank restart: the stripe job has k+m ranks) and
 ``bitwise_identical`` (every in-place run against an uninterrupted one of its size). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
@@ -47,8 +52,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_job  # noqa: E402
 from hotspare.config import ConfigError, from_mapping  # noqa: E402
 
-WAYS = ("hotspare", "keeper", "stripe", "deepspeed_restart", "memory_restart")
+WAYS = ("hotspare", "keeper", "stripe", "deepspeed_restart", "megatron_restart", "memory_restart")
+WAYS_OF = {"deepspeed": ("hotspare", "keeper", "stripe", "deepspeed_restart", "memory_restart"),
+           "megatron": ("hotspare", "keeper", "megatron_restart", "memory_restart")}
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recovery_worker.py")
+
+
+def worker_of(job) -> str:
+    return gpt_job.MEGATRON_WORKER if job.framework == "megatron" else WORKER
 
 
 @dataclass
@@ -65,13 +76,19 @@ class BenchRecoveryConfig(gpt_job.GPTJobConfig):
     """K: the DeepSpeed baseline saves a checkpoint every K steps."""
     checkpoint_dir: str = ""
     """Where the DeepSpeed baseline's checkpoints go; empty: under the run directory."""
-    ways: list[str] = field(default_factory=lambda: list(WAYS))
-    """Which ways to run: hotspare, keeper, deepspeed_restart, memory_restart."""
+    ways: list[str] = field(default_factory=list)
+    """Which ways to run (empty: every way of the framework: hotspare, keeper, stripe,
+    deepspeed_restart, memory_restart; on megatron hotspare, keeper, megatron_restart,
+    memory_restart)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        allowed = WAYS_OF[self.framework]
+        if not self.ways:
+            self.ways = list(allowed)
         for w in self.ways:
-            if w not in WAYS:
-                raise ConfigError(f"ways: {w!r} is not one of {', '.join(WAYS)}")
+            if w not in allowed:
+                raise ConfigError(f"ways: {w!r} is not one of {', '.join(allowed)} (framework={self.framework})")
         if not 0 < self.kill_rank < self.parallel.num_ranks:
             raise ConfigError(f"kill_rank={self.kill_rank} must be a non-zero rank below parallel.num_ranks="
                               f"{self.parallel.num_ranks}")
@@ -96,6 +113,11 @@ def _events(out_dir: str) -> list[dict]:
     return rows
 
 
+def _losses(rank: dict) -> dict:
+    """Losses by step (float hex): the DeepSpeed worker's ``losses``, the megatron one's ``losses_hex``."""
+    return rank.get("losses_hex", rank["losses"])
+
+
 def _regained(ranks: list[dict], progress: int) -> float:
     """When every rank had finished step ``progress - 1`` (its last time: replays overwrite)."""
     return max(r["step_end"][str(progress - 1)] for r in ranks)
@@ -114,7 +136,7 @@ def run_hotspare(job, bench, out_dir, keeper: bool, lose_node: bool = False) -> 
     retain = dataclasses.replace(job.hotspare.retain, keeper=keeper)
     job = dataclasses.replace(job, hotspare=dataclasses.replace(job.hotspare, events_dir=os.path.join(out_dir, "events"),
                                                                 retain=retain))
-    code = gpt_job.launch(job, out_dir, worker=WORKER, spares_per_node=1, keeper=keeper, mode="hotspare",
+    code = gpt_job.launch(job, out_dir, worker=worker_of(job), spares_per_node=1, keeper=keeper, mode="hotspare",
                           kill_rank=bench.kill_rank, kill_step=bench.kill_step, lose_node=lose_node)
     if code != 0:
         raise RuntimeError(f"the hotspare run failed (exit {code}); see its output above")
@@ -139,12 +161,13 @@ def run_hotspare(job, bench, out_dir, keeper: bool, lose_node: bool = False) -> 
 def run_restart(job, bench, out_dir, ckpt_dir: str, every: int) -> dict:
     first, second = os.path.join(out_dir, "first"), os.path.join(out_dir, "restarted")
     opts = {"mode": "restart", "checkpoint_dir": ckpt_dir, "checkpoint_every": every}
-    code = gpt_job.launch(job, first, worker=WORKER, kill_rank=bench.kill_rank, kill_step=bench.kill_step, **opts)
+    code = gpt_job.launch(job, first, worker=worker_of(job), kill_rank=bench.kill_rank, kill_step=bench.kill_step,
+                          **opts)
     t_down = time.monotonic()  # the launcher has stopped every process: the job is down
     if code == 0:
         raise RuntimeError("the restart baseline's first run did not fail; the fault did not fire")
     fault = json.load(open(os.path.join(first, "fault.json"), encoding="utf-8"))
-    code = gpt_job.launch(job, second, worker=WORKER, resume=True, **opts)
+    code = gpt_job.launch(job, second, worker=worker_of(job), resume=True, **opts)
     if code != 0:
         raise RuntimeError(f"the restarted run failed (exit {code}); see its output above")
     ranks = _ranks(second)
@@ -166,8 +189,12 @@ def main(cfg) -> None:
     job_data = {k: v for k, v in data.items() if k not in ("out", "kill_rank", "kill_step", "checkpoint_every",
                                                            "checkpoint_dir", "ways")}
     job = from_mapping(gpt_job.GPTJobConfig, job_data)
-    result = {"kill_rank": bench.kill_rank, "kill_step": bench.kill_step, "steps": bench.train.steps,
-              "zero_stage": bench.zero.stage, "num_ranks": bench.parallel.num_ranks}
+    result = {"framework": bench.framework, "kill_rank": bench.kill_rank, "kill_step": bench.kill_step,
+              "steps": bench.train.steps, "num_ranks": bench.parallel.num_ranks}
+    if bench.framework == "deepspeed":
+        result["zero_stage"] = bench.zero.stage
+    else:
+        result["pipeline_stages"] = bench.parallel.pipeline_stages
     in_place = [w for w in ("hotspare", "keeper", "stripe") if w in bench.ways]
     refs = {}
     identical = []
@@ -176,7 +203,7 @@ def main(cfg) -> None:
         key = way_job.parallel.num_ranks
         if key not in refs:
             ref_dir = os.path.join(run_dir, f"uninterrupted-{key}ranks")
-            if gpt_job.launch(way_job, ref_dir, worker=WORKER, mode="hotspare") != 0:
+            if gpt_job.launch(way_job, ref_dir, worker=worker_of(way_job), mode="hotspare") != 0:
                 sys.exit("bench_recovery: the uninterrupted run failed; see its output above")
             refs[key] = _ranks(ref_dir)
         ref = refs[key]
@@ -185,13 +212,13 @@ def main(cfg) -> None:
         result[way]["num_ranks"] = key
         identical.append(len(ranks) == len(ref) and all(
             (a["fp32_digest"], a["optimizer_digest"]) == (b["fp32_digest"], b["optimizer_digest"])
-            and all(a["losses"][k] == b["losses"][k] for k in b["losses"]) for a, b in zip(ref, ranks)))
+            and all(_losses(a)[k] == v for k, v in _losses(b).items()) for a, b in zip(ref, ranks)))
     if in_place:
         result["bitwise_identical"] = all(identical)
-    if "deepspeed_restart" in bench.ways:
-        ckpt = bench.checkpoint_dir or os.path.join(run_dir, "checkpoints")
-        result["deepspeed_restart"] = run_restart(job, bench, os.path.join(run_dir, "deepspeed_restart"), ckpt,
-                                                  bench.checkpoint_every)
+    for restart in ("deepspeed_restart", "megatron_restart"):
+        if restart in bench.ways:
+            ckpt = bench.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+            result[restart] = run_restart(job, bench, os.path.join(run_dir, restart), ckpt, bench.checkpoint_every)
     if "memory_restart" in bench.ways:
         shm = f"/dev/shm/hotspare-bench-{os.getpid()}"
         try:
@@ -199,8 +226,10 @@ def main(cfg) -> None:
         finally:
             shutil.rmtree(shm, ignore_errors=True)
     for base, way, key in (("deepspeed_restart", "hotspare", "speedup"),
+                           ("megatron_restart", "hotspare", "speedup"),
                            ("memory_restart", "hotspare", "speedup_vs_memory_restart"),
                            ("deepspeed_restart", "keeper", "keeper_speedup"),
+                           ("megatron_restart", "keeper", "keeper_speedup"),
                            ("memory_restart", "keeper", "keeper_speedup_vs_memory_restart"),
                            ("deepspeed_restart", "stripe", "stripe_speedup")):
         if base in result and way in result:

@@ -20,6 +20,8 @@ from hotspare.launch import LaunchSpec, run
 from hotspare.testing.gpt import GPTConfig
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_worker.py")
+MEGATRON_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_worker.py")
+FRAMEWORKS = ("deepspeed", "megatron")
 
 
 @dataclass
@@ -27,7 +29,8 @@ class ParallelConfig:
     """How many ranks, and how they are grouped into (logical) nodes."""
 
     num_ranks: int = 4
-    """Active ranks (data-parallel size), all on this machine."""
+    """Active ranks, all on this machine (DeepSpeed: the data-parallel size; megatron: pipeline
+    stages x data-parallel size)."""
     logical_nodes: int = 2
     """Logical nodes the ranks are split into (placement treats each as a separate machine)."""
     store_timeout_s: float = 60.0
@@ -36,8 +39,13 @@ class ParallelConfig:
     """Timeout of the training process group's collectives."""
     spares_per_node: int = 0
     """Standby workers per logical node (hot spares that take a failed rank's place)."""
+    pipeline_stages: int = 1
+    """megatron only: pipeline-parallel size (the model's layers split into this many stages)."""
 
     def __post_init__(self) -> None:
+        if self.pipeline_stages < 1 or self.num_ranks % self.pipeline_stages:
+            raise ValueError(f"parallel.pipeline_stages={self.pipeline_stages} must divide "
+                             f"parallel.num_ranks={self.num_ranks}")
         if self.spares_per_node < 0:
             raise ValueError(f"parallel.spares_per_node={self.spares_per_node} must be >= 0")
         if self.num_ranks < 1:
@@ -108,6 +116,9 @@ class FaultConfig:
 class GPTJobConfig:
     """The GPT smoke job: model, parallelism, ZeRO, loop, hotspare."""
 
+    framework: str = "deepspeed"
+    """The host: deepspeed (ZeRO data parallelism) or megatron (megatron-core pipeline stages x
+    data parallelism with the distributed optimizer; ``parallel.pipeline_stages``)."""
     model: GPTConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
@@ -120,6 +131,17 @@ class GPTJobConfig:
     """Where run.json, per-rank results and summary.json go; empty uses Hydra's run directory."""
 
     def __post_init__(self) -> None:
+        check_choice("framework", self.framework, FRAMEWORKS)
+        if self.framework == "deepspeed" and self.parallel.pipeline_stages != 1:
+            raise ValueError(f"parallel.pipeline_stages={self.parallel.pipeline_stages}: pipeline stages are the "
+                             f"megatron path's (framework=megatron); DeepSpeed runs ZeRO data parallelism")
+        if self.framework == "megatron":
+            if self.hotspare.checkpoint.enabled:
+                raise ValueError("hotspare.checkpoint: the persistent-checkpoint fallback is DeepSpeed's only so far; "
+                                 "set hotspare.checkpoint.every=0 with framework=megatron")
+            if self.model.num_layers % self.parallel.pipeline_stages:
+                raise ValueError(f"model.num_layers={self.model.num_layers} must be divisible by "
+                                 f"parallel.pipeline_stages={self.parallel.pipeline_stages}")
         f = self.fault
         if f.rank >= 0:
             if f.rank >= self.parallel.num_ranks:
@@ -175,7 +197,7 @@ def deepspeed_config(job: GPTJobConfig) -> dict:
     return cfg
 
 
-def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, worker: str = WORKER,
+def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, worker: str | None = None,
            spares_per_node: int | None = None, keeper: bool = True, **worker_options) -> int:
     """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code.
 
@@ -184,6 +206,8 @@ def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, wo
     Events go to ``out_dir/events`` unless ``hotspare.events_dir`` says otherwise.
     """
     os.makedirs(out_dir, exist_ok=True)
+    if worker is None:
+        worker = MEGATRON_WORKER if job.framework == "megatron" else WORKER
     ds = deepspeed_config(job)
     if job.hotspare.enabled and not job.hotspare.events_dir:
         ds["hotspare"]["events_dir"] = os.path.join(out_dir, "events")
@@ -191,7 +215,8 @@ def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, wo
         spares_per_node = job.parallel.spares_per_node
     run_cfg = {"model": to_mapping(job.model), "train": to_mapping(job.train), "deepspeed": ds,
                "corpus": job.corpus, "out_dir": out_dir, "fault": to_mapping(job.fault) if job.fault.rank >= 0 else None,
-               "collective_timeout_s": job.parallel.collective_timeout_s, **worker_options}
+               "collective_timeout_s": job.parallel.collective_timeout_s, "framework": job.framework,
+               "pipeline_stages": job.parallel.pipeline_stages, **worker_options}
     path = os.path.join(out_dir, "run.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(run_cfg, f, indent=1)
@@ -223,8 +248,11 @@ def summarize(results: list[dict], wall_s: float) -> dict:
                                   if 0 <= i - r["first_step"] < len(r["losses"])) for i in range(steps)]
     step_s = statistics.median(r["step_s_median"] for r in results)
     return {
-        "steps": steps, "num_ranks": len(results), "zero_stage": results[0]["zero_stage"],
-        "num_params": results[0]["num_params"],
+        "steps": steps, "num_ranks": len(results), "framework": results[0].get("framework", "deepspeed"),
+        "zero_stage": results[0]["zero_stage"], "pipeline_stages": 1 + max(r.get("pipeline_stage", 0) for r in results),
+        # megatron: each rank counts its stage's parameters (data-parallel rank 0 of each stage adds up).
+        "num_params": (results[0]["num_params"] if "pipeline_stage" not in results[0] else
+                       sum(r["num_params"] for r in results if r["data_parallel_rank"] == 0)),
         "loss_first": statistics.fmean(mean_loss[:k]), "loss_last": statistics.fmean(mean_loss[-k:]),
         "step_s_median": step_s, "tokens_per_s": results[0]["tokens_per_step"] / step_s,
         "wall_s": wall_s,
@@ -234,7 +262,10 @@ def summarize(results: list[dict], wall_s: float) -> dict:
 
 
 def print_summary(s: dict, file=sys.stdout) -> None:
-    rows = [("steps", s["steps"]), ("ranks", s["num_ranks"]), ("ZeRO stage", s["zero_stage"]),
+    layout = (("ZeRO stage", s["zero_stage"]) if s.get("framework", "deepspeed") == "deepspeed" else
+              ("megatron-core", f"{s['pipeline_stages']} pipeline stages x {s['num_ranks'] // s['pipeline_stages']} "
+                                f"data-parallel, distributed optimizer"))
+    rows = [("steps", s["steps"]), ("ranks", s["num_ranks"]), layout,
             ("parameters", f"{s['num_params']:,}"),
             ("loss (first/last 10%)", f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}"),
             ("median step", f"{s['step_s_median'] * 1e3:.1f} ms"), ("tokens/s", f"{s['tokens_per_s']:,.0f}"),

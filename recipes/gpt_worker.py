@@ -137,16 +137,9 @@ def main() -> int:
     if mirror is not None:
         mirror.enabled = True
         committed = mirror.flush()
-        st = mirror.stats
-        mirror_result = {
-            "holders": mirror.holders, "sources": mirror.sources, "global_committed": committed,
-            "rounds": st.rounds, "waits": st.waits, "skips": st.skips, "bytes_sent": st.bytes_sent,
-            "commit_failures": st.commit_failures, "wait_s": st.wait_s, "capture_s": st.capture_s,
-            "round_s": st.round_s, "round_cpu_s": st.round_cpu_s,
-            "snapshot_bytes": mirror.layout.nbytes if mirror.layout else 0, "tier2_bytes": mirror.tier2_bytes(),
-            "unique_bytes_per_param": session.state.bytes_per_param(),
-            "own_digests": own_digests, "held_digests": held_digests,
-        }
+        mirror_result = {**mirror.summary(), "global_committed": committed,
+                         "unique_bytes_per_param": session.state.bytes_per_param(),
+                         "own_digests": own_digests, "held_digests": held_digests}
         if verify:
             own_digests[committed] = live_digest(session.state)
             for src in mirror.sources:

@@ -1,6 +1,8 @@
 """recipes/bench_recovery.py end to end (slow: five jobs): the JSON has every key the issue
 names, hotspare's run is bitwise identical to the uninterrupted one with at most one lost
-iteration, and the restart baseline loses the steps since its checkpoint."""
+iteration, and the restart baseline loses the steps since its checkpoint; the same for
+``framework=megatron`` (megatron-core's dist_checkpointing restart), and bench_overhead.py's
+keys on megatron."""
 from __future__ import annotations
 
 import json
@@ -33,3 +35,37 @@ def test_bench_recovery_writes_its_json(tmp_path, no_leaks):
     assert r["stripe"]["sources"] == ["stripe"] and r["stripe"]["lost_iterations"] <= 1
     assert r["deepspeed_restart"]["lost_iterations"] == 4 and r["memory_restart"]["lost_iterations"] == 0
     assert r["speedup"] > 0 and r["speedup_vs_memory_restart"] > 0
+
+
+@pytest.mark.slow
+def test_bench_recovery_on_megatron_writes_the_same_keys(tmp_path, no_leaks):
+    """framework=megatron: hotspare and keeper in place, megatron-core's dist_checkpointing restart
+    (save every K iterations, load after the restart) and its /dev/shm variant."""
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "bench_recovery.py"), f"out={out}",
+                           "framework=megatron", "kill_step=14", "checkpoint_every=10", "train.steps=16",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["framework"] == "megatron" and r["pipeline_stages"] == 2
+    for way in ("hotspare", "keeper", "megatron_restart", "memory_restart"):
+        assert KEYS <= set(r[way]), way
+    assert r["bitwise_identical"] is True
+    assert r["hotspare"]["lost_iterations"] <= 1 and r["keeper"]["sources"] == ["keeper"]
+    assert r["megatron_restart"]["lost_iterations"] == 4 and r["memory_restart"]["lost_iterations"] == 0
+    assert r["speedup"] > 0 and r["keeper_speedup"] > 0
+
+
+@pytest.mark.slow
+def test_bench_overhead_on_megatron_writes_the_same_keys(tmp_path, no_leaks):
+    out = tmp_path / "o.json"
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "bench_overhead.py"), f"out={out}",
+                           "framework=megatron", "train.steps=40", "block=5", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["framework"] == "megatron"
+    m = r["stages"]["pp2"]
+    assert {"baseline_step_s", "mirror_step_s", "overhead", "mirror_bytes_per_step", "tier2_memory_ratio"} <= set(m)
+    assert m["tier2_memory_ratio"]["mirror"] == pytest.approx(2.0, rel=0.05)
+    assert 11 < m["unique_bytes_per_param"] < 14  # fp32 master + two Adam moments, plus the RNG and counters

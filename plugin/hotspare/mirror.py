@@ -343,6 +343,15 @@ class Mirror:
         own = self.layout.nbytes if self.stripe is None else -(-self.layout.nbytes // self.stripe[0])
         return own + held
 
+    def summary(self) -> dict:
+        """What this rank's mirror did (JSON-able): placement, round counts and times, bytes."""
+        st = self.stats
+        return {"holders": self.holders, "sources": self.sources, "rounds": st.rounds, "waits": st.waits,
+                "skips": st.skips, "bytes_sent": st.bytes_sent, "commit_failures": st.commit_failures,
+                "wait_s": st.wait_s, "capture_s": st.capture_s, "round_s": st.round_s,
+                "round_cpu_s": st.round_cpu_s, "snapshot_bytes": self.layout.nbytes if self.layout else 0,
+                "tier2_bytes": self.tier2_bytes()}
+
     def share_holdings(self) -> dict[int, frozenset[int]]:
         """{source: versions of which this rank holds a stripe share} (empty for a full mirror)."""
         return self._held_versions() if self.stripe is not None else {}

@@ -168,6 +168,15 @@ class MegatronState:
             self.load_data_state(meta["data"])
         self.iteration = int(meta["iteration"])
 
+    def bytes_per_param(self) -> float:
+        """Unique bytes this rank mirrors per parameter of its stage (its data-parallel group
+        together): about 12 for fp32 Adam (master, two moments), whatever the data-parallel size."""
+        from megatron.core import parallel_state as ps
+
+        nbytes = sum(t.numel() * t.element_size() for _, t in self.tensors())
+        num_params = sum(p.numel() for chunk in self.model_chunks for p in chunk.parameters())
+        return nbytes * ps.get_data_parallel_world_size() / max(1, num_params)
+
     def layout_for(self, layout_id: int) -> Layout | None:
         """This rank's layout with id ``layout_id`` (with or without Adam's state), or None.
 
