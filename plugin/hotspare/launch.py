@@ -209,6 +209,9 @@ class Launcher:
         # NCCL: on a collective timeout abort the communicators and raise in the worker (2,
         # CleanUpOnly) instead of tearing the process down, so a survivor can recover in place.
         worker_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # A worker killed by a fatal signal (SIGSEGV, SIGABRT from a C++ terminate, ...) prints
+        # every thread's Python stack: what the failure report needs to say where it died.
+        worker_env.setdefault("PYTHONFAULTHANDLER", "1")
         if node in self.keepers:
             worker_env[env.HOTSPARE_KEEPER_SOCKET] = keeper.socket_path(self.job_id, node)
         return worker_env
