@@ -199,7 +199,15 @@ def deepspeed_config(job: GPTJobConfig) -> dict:
 
 def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, worker: str | None = None,
            spares_per_node: int | None = None, keeper: bool = True, **worker_options) -> int:
-    """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code.
+    """Write run.json and run the job's ranks under hotspare-run; return the launcher's exit code
+    (:func:`launch_spec` says what the arguments mean)."""
+    return run(launch_spec(job, out_dir, extra_env, worker=worker, spares_per_node=spares_per_node, keeper=keeper,
+                           **worker_options))
+
+
+def launch_spec(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, worker: str | None = None,
+                spares_per_node: int | None = None, keeper: bool = True, **worker_options) -> LaunchSpec:
+    """Write run.json and return the hotspare-run spec that runs the job's ranks.
 
     ``worker_options`` go to gpt_worker.py as is: ``verify_mirror`` (record digests of every
     live and mirrored version), ``mirror_block`` (alternate blocks of steps off and on).
@@ -224,7 +232,7 @@ def launch(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, *, wo
                       logical_nodes=job.parallel.logical_nodes, store_timeout_s=job.parallel.store_timeout_s,
                       spares_per_node=spares_per_node, keeper=keeper,
                       extra_env={"OMP_NUM_THREADS": "1", **(extra_env or {})})
-    return run(spec)
+    return spec
 
 
 def collect(out_dir: str, num_ranks: int) -> list[dict]:

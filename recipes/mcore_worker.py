@@ -33,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from hotspare import faults  # noqa: E402
 from hotspare.env import make_deterministic  # noqa: E402
 from hotspare.integrations import megatron  # noqa: E402
+from hotspare.testing import faults as catalogue  # noqa: E402
 from hotspare.testing import mcore_gpt  # noqa: E402
 from hotspare.testing.data import ByteSampler, load_corpus  # noqa: E402
 from hotspare.testing.gpt import GPTConfig  # noqa: E402
@@ -62,6 +63,8 @@ def main() -> int:
                                 warmup_steps=train["warmup_steps"], decay_steps=train["steps"],
                                 weight_decay=train["weight_decay"], grad_clip=train["grad_clip"], seed=train["seed"])
     hs = run["deepspeed"].get("hotspare") if mode != "restart" else None
+    specs = run.get("faults") or []
+    catalogue.arm_recovery_faults(specs, worker_id(), role(), int(os.environ.get("RANK", "-1")))
     session = megatron.initialize(lambda: mcore_gpt.build(model_cfg, t), hs,
                                   pipeline_model_parallel_size=run["pipeline_stages"])
     from megatron.core import parallel_state as ps
@@ -71,6 +74,7 @@ def main() -> int:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     last_stage = ps.is_pipeline_last_stage()
     model, optimizer, sched = session.model, session.optimizer, session.scheduler
+    inject = catalogue.Injector(specs, session, worker_id())
     ckpt_dir, every = run.get("checkpoint_dir", ""), run.get("checkpoint_every", 0)
     t_loaded, loaded_step = t_init, None
     if mode == "restart" and run.get("resume"):
@@ -110,7 +114,16 @@ def main() -> int:
                 faults.lose_node()
             os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
-        loss = mcore_gpt.train_iteration(model, optimizer, sched, batches(step), t, model_cfg.seq_len)
+        microbatch = [0]
+
+        def forward(data, chunk):
+            inject.forward(step, microbatch[0])
+            inject.backward(step, microbatch[0], chunk.module.decoder.layers[0])
+            microbatch[0] += 1
+            return mcore_gpt.forward_step(data, chunk)
+
+        loss = mcore_gpt.train_iteration(model, optimizer, sched, batches(step), t, model_cfg.seq_len,
+                                         forward=forward, before_step=lambda: inject.before_step(step))
         step_times[step] = time.perf_counter() - t0
         if loss is not None:
             losses[step] = loss
@@ -141,6 +154,12 @@ def main() -> int:
     else:
         train_step = session.resilient(body)
         for step in session.steps(train["steps"]):
+            if step > 0:
+                # The previous iteration's mirror round started when steps() counted it.
+                done = len(session.recoveries)
+                session.resilient(inject.after_step)(step - 1)
+                if len(session.recoveries) != done:
+                    continue  # recovered: steps() yields the landing iteration next
             train_step(step)
     mirror_result = None
     if session.mirror is not None:

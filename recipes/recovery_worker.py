@@ -5,7 +5,8 @@ restart-based baselines a DeepSpeed user has today.
 Options (run.json): ``mode`` 'hotspare' (recover in place) or 'restart' (plain DeepSpeed:
 ``save_checkpoint`` every ``checkpoint_every`` steps into ``checkpoint_dir``; with ``resume``
 ``load_checkpoint`` the newest and go on); ``kill_rank`` and ``kill_step`` (SIGKILL before that
-step's forward, once). Writes ``rank<R>.json``: monotonic timestamps (process start,
+step's forward, once); ``faults`` (a list of ``hotspare.testing.faults`` specs, e.g.
+``kill@backward:1:5``: what recipes/fault_matrix.py injects). Writes ``rank<R>.json``: monotonic timestamps (process start,
 initialised, loaded, the end of every step), the recoveries, and final digests.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import hotspare  # noqa: E402
 from hotspare import faults  # noqa: E402
 from hotspare.env import make_deterministic  # noqa: E402
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors  # noqa: E402
+from hotspare.testing import faults as catalogue  # noqa: E402
 from hotspare.testing.data import ByteSampler, load_corpus  # noqa: E402
 from hotspare.testing.gpt import GPT, GPTConfig  # noqa: E402
 from hotspare.worker import role, worker_id  # noqa: E402
@@ -53,8 +55,11 @@ def main() -> int:
     ds = dict(run["deepspeed"])
     if mode != "hotspare":
         ds.pop("hotspare", None)  # the baseline is DeepSpeed alone
+    specs = run.get("faults") or []
+    catalogue.arm_recovery_faults(specs, worker_id(), role(), int(os.environ.get("RANK", "-1")))
     session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
     engine = session.engine
+    inject = catalogue.Injector(specs, session, worker_id())
     t_init = time.monotonic()
     rank = session.generation.rank
     ckpt_dir, every = run.get("checkpoint_dir", ""), run.get("checkpoint_every", 0)
@@ -78,9 +83,14 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         for micro in range(accum):
             tokens, targets = sampler.batch(step * accum + micro, rank)
+            inject.forward(step, micro)
+            inject.backward(step, micro, engine.module.blocks[0])
             loss = engine(tokens.to(engine.device), targets.to(engine.device))
             engine.backward(loss)
+            if micro == accum - 1:
+                inject.before_step(step)
             engine.step()
+        inject.after_step(step)
         losses[step] = float(loss).hex()
         if mode == "restart" and every and engine.global_steps % every == 0:
             t0 = time.monotonic()

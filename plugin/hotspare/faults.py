@@ -8,7 +8,9 @@ test arms a point in the process that should fail::
 Points: ``snapshot_write`` (index: segments of the snapshot written so far in a capture),
 ``keeper_commit`` (index: chunks of a retained update committed so far), ``join`` (index: the
 generation being joined: a fault while a recovery forms). Actions: ``kill``
-(SIGKILL, like an OOM kill or a crash), ``hang`` (SIGSTOP), ``raise`` (RuntimeError).
+(SIGKILL, like an OOM kill or a crash), ``segv`` (SIGSEGV), ``hang`` (SIGSTOP), ``raise``
+(RuntimeError), ``node`` (:func:`lose_node`). ``at=ANY`` fires at the first index reached.
+The catalogue the fault matrix draws from is :mod:`hotspare.testing.faults`.
 
 :func:`lose_node` stands for the loss of a whole (logical) node under ``hotspare-run
 --logical-nodes``: it SIGKILLs every process of this worker's node, keeper and spares
@@ -19,13 +21,16 @@ from __future__ import annotations
 import os
 import signal
 
-ACTIONS = ("kill", "hang", "raise")
-_armed: dict[str, tuple[int, str]] = {}
+ACTIONS = ("kill", "segv", "hang", "raise", "node")
+ANY = -1
+"""``arm(point, at=ANY)``: fire at the first index the point is reached with."""
+_armed: dict[str, tuple] = {}
 
 
-def arm(point: str, at: int, action: str = "kill") -> None:
-    """Fire ``action`` when ``point`` is reached with index ``at`` (once)."""
-    if action not in ACTIONS:
+def arm(point: str, at: int, action="kill") -> None:
+    """Fire ``action`` when ``point`` is reached with index ``at`` (once); ``action`` is one of
+    :data:`ACTIONS` or a callable (called with no argument, as the fault)."""
+    if not callable(action) and action not in ACTIONS:
         raise ValueError(f"fault action {action!r}: expected one of {', '.join(ACTIONS)}")
     _armed[point] = (at, action)
 
@@ -39,21 +44,27 @@ def hit(point: str, index: int = 0) -> None:
     if not _armed:
         return
     armed = _armed.get(point)
-    if armed is None or armed[0] != index:
+    if armed is None or armed[0] not in (index, ANY):
         return
     del _armed[point]
     action = armed[1]
-    if action == "kill":
+    if callable(action):
+        action()
+    elif action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
     elif action == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "node":
+        lose_node()
     else:
         raise RuntimeError(f"injected fault at {point}[{index}]")
 
 
 def lose_node() -> None:
-    """SIGKILL this worker's (logical) node: its keeper and its spares (siblings under the same
-    launcher), then this process. Other active ranks of the node are left to the caller."""
+    """SIGKILL this worker's (logical) node: its keeper, its spares and its other active ranks
+    (siblings under the same launcher), then this process."""
     import psutil
 
     from . import env
@@ -67,7 +78,7 @@ def lose_node() -> None:
         except psutil.Error:
             continue
         is_keeper = "hotspare.keeper" in cmd and "--node" in cmd and cmd[cmd.index("--node") + 1] == node
-        is_spare = environ.get(env.HOTSPARE_ROLE) == "spare" and environ.get(env.HOTSPARE_NODE_RANK) == node
-        if is_keeper or is_spare:
+        is_worker = environ.get(env.HOTSPARE_ROLE) in ("spare", "active") and environ.get(env.HOTSPARE_NODE_RANK) == node
+        if is_keeper or is_worker:
             p.kill()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -16,6 +16,7 @@ then removes every segment.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
@@ -73,6 +74,23 @@ class LaunchSpec:
     """Added to every worker's environment."""
     keeper: bool = True
     """Start a keeper per (logical) node (off: ranks retain nothing outside their processes)."""
+
+    def to_argv(self) -> list[str]:
+        """hotspare-run's command line for this spec (``extra_env``, ``settle_s`` and
+        ``term_grace_s`` have no flag: pass the environment to the process yourself)."""
+        argv = [f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", f"--node-rank={self.node_rank}",
+                f"--master-addr={self.master_addr}", f"--master-port={self.master_port}",
+                f"--logical-nodes={self.logical_nodes}", f"--spares-per-node={self.spares_per_node}",
+                f"--store-timeout={self.store_timeout_s}", f"--stall-grace-s={self.stall_grace_s}"]
+        if self.job_id:
+            argv.append(f"--job-id={self.job_id}")
+        if not self.keeper:
+            argv.append("--no-keeper")
+        script = self.script
+        if script and script[0] == "-m":
+            argv.append("-m")
+            script = script[1:]
+        return argv + list(script)
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -411,8 +429,10 @@ class Launcher:
         if choice is None:
             lost = ", ".join(f"rank {f.rank} ({_describe(f.code) if f.reason == 'exit' else 'hung'})"
                              for f in failures)
-            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain; start hotspare-run with "
-                      f"--spares-per-node >= 1 to replace failed ranks")
+            per_node = max(collections.Counter(dead.values()).values())
+            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain; to survive {len(dead)} failures "
+                      f"at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
+                      f"{max(per_node, self.spec.spares_per_node + 1)}")
             plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
                                 abort=reason)
             _log(f"cannot recover: {reason}")

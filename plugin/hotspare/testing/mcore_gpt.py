@@ -115,9 +115,10 @@ def forward_step(data: Iterator, model):
 
 
 def train_iteration(model: list, optimizer, sched, batches: Iterator, t: MegatronTrain, seq_len: int,
-                    forward: Callable = forward_step) -> float | None:
+                    forward: Callable = forward_step, before_step: Callable[[], None] | None = None) -> float | None:
     """One iteration (every microbatch, the optimizer and scheduler step); returns the mean
-    per-token loss on the last pipeline stage, None on the others."""
+    per-token loss on the last pipeline stage, None on the others. ``before_step`` runs after
+    the last backward, before the optimizer step."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -127,6 +128,8 @@ def train_iteration(model: list, optimizer, sched, batches: Iterator, t: Megatro
     reduced = get_forward_backward_func()(forward_step_func=forward, data_iterator=batches, model=model,
                                           num_microbatches=t.microbatches, seq_length=seq_len,
                                           micro_batch_size=t.micro_batch, forward_only=False)
+    if before_step is not None:
+        before_step()
     ok, _grad_norm, _ = optimizer.step()
     if not ok:
         raise RuntimeError("the optimizer step was skipped (a non-finite gradient)")

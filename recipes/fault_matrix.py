@@ -1,0 +1,305 @@
+"""The fault matrix: every fault kind of the catalogue (``hotspare.testing.faults``) in every phase
+it applies to, on rank 0, a middle rank, the last rank and the spare itself, for DeepSpeed (each
+ZeRO stage) and megatron-core (PP=2 x DP=2), on the GPT smoke model; each case against an
+uninterrupted run of the same job.
+
+    python recipes/fault_matrix.py out=faults.json                          # the whole matrix (long: make faults)
+    python recipes/fault_matrix.py out=f.json frameworks=[zero2] kinds=[kill,hang] targets=[first]
+    python recipes/fault_matrix.py out=f.json 'cases=[zero2/segv@backward:0:3,megatron/slow@mirror:3:3]'
+    python recipes/fault_matrix.py out=faults.json docs=docs/faults.md      # also regenerate the docs table
+
+A case is ``FRAMEWORK/FAULT[+FAULT...]`` (a fault in the catalogue's notation, ``kill@forward:1:3``).
+Faults on the spare and faults during a recovery need a first failure to call the spare in or to
+start the recovery: the matrix adds ``kill@forward:T:STEP`` of another rank T (on the other
+logical node) to those cases.
+
+Outcomes: ``recovered`` (the launcher finished, every rank's final fp32 state, optimizer state and
+losses are bitwise those of the uninterrupted run, and a recovery took place), ``fell_back`` (the
+same, through the persistent checkpoint), ``stopped_cleanly`` (the job stopped with the
+coordinator's "cannot recover" or the lost-state error, exit code 3 or the failed worker's),
+``wrong`` (finished, but not bitwise equal, or no recovery took place although a fault was
+injected), ``hung`` (past ``case_timeout_s``), ``crashed`` (any other end).
+
+JSON: ``rows`` (one per case: ``case``, ``fault``, ``phase``, ``rank``, ``framework``, ``outcome``,
+``bitwise_identical``, ``lost_iterations``, ``recovery_s``, ``seconds``, ``note``), ``summary``
+(count per outcome, ``all_acceptable``, ``max_lost_iterations``). ``docs=PATH`` writes the
+markdown table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_job  # noqa: E402
+from hotspare.config import ConfigError, from_mapping  # noqa: E402
+from hotspare.launch import ABORT_EXIT_CODE  # noqa: E402
+from hotspare.testing import faults as catalogue  # noqa: E402
+
+FRAMEWORKS = ("zero1", "zero2", "zero3", "megatron")
+TARGETS = ("first", "middle", "last", "spare")
+OUTCOMES = ("recovered", "fell_back", "stopped_cleanly", "wrong", "hung", "crashed")
+ACCEPTABLE = ("recovered", "fell_back", "stopped_cleanly")
+RECIPES = os.path.dirname(os.path.abspath(__file__))
+MEGATRON_OVERRIDES = os.path.join(RECIPES, "..", "configs", "framework", "megatron.yaml")
+
+
+@dataclass
+class FaultMatrixConfig(gpt_job.GPTJobConfig):
+    """The GPT job plus which cases of the matrix to run."""
+
+    out: str = "fault_matrix.json"
+    """Where the JSON result goes."""
+    frameworks: list[str] = field(default_factory=lambda: list(FRAMEWORKS))
+    """Hosts: zero1, zero2, zero3 (DeepSpeed) and megatron (PP=2 x DP=2)."""
+    kinds: list[str] = field(default_factory=lambda: list(catalogue.KINDS))
+    """Fault kinds (hotspare.testing.faults.KINDS)."""
+    phases: list[str] = field(default_factory=lambda: list(catalogue.PHASES))
+    """Phases (each kind runs in those of them it applies to)."""
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    """first (rank 0), middle, last, spare (the spare that took a rank)."""
+    cases: list[str] = field(default_factory=list)
+    """Explicit cases (FRAMEWORK/FAULT[+FAULT...]) instead of the product above."""
+    fault_step: int = 3
+    """The step the faults strike."""
+    spares: int = 2
+    """Spares per logical node (a lost node's ranks need the other node's spares)."""
+    case_timeout_s: float = 300.0
+    """A case still running after this is ``hung`` (its processes are killed)."""
+    docs: str = ""
+    """Also write the markdown table here (e.g. docs/faults.md); empty: no table."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key, values, allowed in (("frameworks", self.frameworks, FRAMEWORKS), ("kinds", self.kinds, catalogue.KINDS),
+                                     ("phases", self.phases, catalogue.PHASES), ("targets", self.targets, TARGETS)):
+            for v in values:
+                if v not in allowed:
+                    raise ConfigError(f"{key}: {v!r} is not one of {', '.join(allowed)}")
+        for case in self.cases:
+            parse_case(case)
+        if self.fault_step < 1 or self.fault_step + 2 > self.train.steps:
+            raise ConfigError(f"fault_step={self.fault_step} must be >= 1 and leave two steps after it "
+                              f"(train.steps={self.train.steps})")
+
+
+gpt_job.register()
+ConfigStore.instance().store(name="fault_matrix_schema", node=FaultMatrixConfig)
+
+
+def parse_case(case: str) -> tuple[str, list[catalogue.Fault]]:
+    framework, _, faults = case.partition("/")
+    if framework not in FRAMEWORKS or not faults:
+        raise ConfigError(f"cases: {case!r} must be FRAMEWORK/FAULT[+FAULT...] with FRAMEWORK one of "
+                          f"{', '.join(FRAMEWORKS)}")
+    try:
+        return framework, [catalogue.Fault.parse(f) for f in faults.split("+")]
+    except ValueError as exc:
+        raise ConfigError(f"cases: {case!r}: {exc}") from None
+
+
+def target_rank(target: str, world: int) -> int:
+    return {"first": 0, "middle": (world - 1) // 2, "last": world - 1, "spare": catalogue.SPARE}[target]
+
+
+def product(cfg: FaultMatrixConfig, world: int, per_node: int) -> list[str]:
+    """Every case of the matrix the config selects, in a fixed order."""
+    cases = []
+    for framework in cfg.frameworks:
+        for kind in cfg.kinds:
+            for phase in (p for p in cfg.phases if p in catalogue.PHASES_OF[kind]):
+                for target in cfg.targets:
+                    rank = target_rank(target, world)
+                    faults = [catalogue.Fault(kind, phase, rank, cfg.fault_step)]
+                    if rank == catalogue.SPARE or phase == "recovery":
+                        # Something else must fail first: a rank of the other logical node (the spare
+                        # that takes it is the target's spare, on the node that stays).
+                        victim = 1 if rank == catalogue.SPARE else (rank + per_node) % world
+                        faults.insert(0, catalogue.Fault("kill", "forward", victim, cfg.fault_step))
+                    cases.append(f"{framework}/" + "+".join(str(f) for f in faults))
+    return cases
+
+
+def framework_job(data: dict, framework: str) -> gpt_job.GPTJobConfig:
+    job = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(gpt_job.GPTJobConfig)}}
+    if framework == "megatron":
+        extra = OmegaConf.to_container(OmegaConf.load(MEGATRON_OVERRIDES))
+        job = OmegaConf.to_container(OmegaConf.merge(job, extra))
+    else:
+        job = {**job, "framework": "deepspeed", "zero": {**job["zero"], "stage": int(framework[-1])}}
+    return from_mapping(gpt_job.GPTJobConfig, job)
+
+
+def run_job(job, out_dir: str, spares: int, timeout_s: float, **options) -> tuple[int | None, str]:
+    """The job under hotspare-run in a process of its own; (exit code, or None when it was still
+    running after ``timeout_s`` and was stopped; the launcher's output, its end)."""
+    worker = gpt_job.MEGATRON_WORKER if job.framework == "megatron" else os.path.join(RECIPES, "recovery_worker.py")
+    spec = gpt_job.launch_spec(job, out_dir, worker=worker, spares_per_node=spares, mode="hotspare", **options)
+    spec.job_id = f"fm{os.getpid()}x{abs(hash(out_dir)) % 10**6}"
+    log_path = os.path.join(out_dir, "launcher.log")
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hotspare.launch", *spec.to_argv()], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, **spec.extra_env})
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            stop(proc, spec.job_id)
+    return code, open(log_path, encoding="utf-8", errors="replace").read()[-4000:]
+
+
+def stop(proc: subprocess.Popen, job_id: str) -> None:
+    """SIGTERM the launcher (it stops its workers and keepers, SIGKILL after its grace period),
+    then SIGKILL it and any process of the job still there (a stopped worker, say)."""
+    import psutil
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("HOTSPARE_JOB_ID") == job_id:
+                p.kill()
+        except psutil.Error:
+            pass
+
+
+def ranks_of(out_dir: str) -> dict[int, dict]:
+    out = {}
+    for path in glob.glob(os.path.join(out_dir, "rank*.json")):
+        r = json.load(open(path, encoding="utf-8"))
+        out[r["rank"]] = r
+    return out
+
+
+def losses(r: dict) -> dict:
+    return r.get("losses_hex", r.get("losses", {}))
+
+
+def classify(code: int | None, tail: str, ranks: dict, ref: dict, world: int) -> dict:
+    """Outcome, bitwise equality, lost iterations and recovery time of one case."""
+    row = {"bitwise_identical": None, "lost_iterations": None, "recovery_s": None, "note": ""}
+    recoveries = [rec for r in ranks.values() for rec in r.get("recoveries", [])]
+    if recoveries:
+        row["lost_iterations"] = max(int(rec.get("failed_at", rec["version"])) - int(rec["version"])
+                                     for rec in recoveries)
+        by_generation = {}
+        for rec in recoveries:
+            by_generation[rec["generation"]] = max(by_generation.get(rec["generation"], 0.0), rec.get("total_s", 0.0))
+        row["recovery_s"] = sum(by_generation.values())
+    if code is None:
+        return {**row, "outcome": "hung", "note": "still running after case_timeout_s"}
+    if code != 0:
+        clean = code == ABORT_EXIT_CODE or "cannot recover" in tail
+        note = next((line for line in reversed(tail.splitlines()) if "cannot recover" in line or "RecoveryError" in line),
+                    tail.strip().splitlines()[-1] if tail.strip() else "")
+        return {**row, "outcome": "stopped_cleanly" if clean else "crashed", "note": note[-300:]}
+    if sorted(ranks) != list(range(world)):
+        return {**row, "outcome": "crashed", "note": f"ranks that wrote results: {sorted(ranks)}"}
+    identical = all((ranks[r]["fp32_digest"], ranks[r]["optimizer_digest"]) ==
+                    (ref[r]["fp32_digest"], ref[r]["optimizer_digest"])
+                    and all(losses(ref[r]).get(k) == v for k, v in losses(ranks[r]).items()) for r in range(world))
+    row["bitwise_identical"] = identical
+    if not identical:
+        return {**row, "outcome": "wrong", "note": "finished, but not bitwise identical to the uninterrupted run"}
+    if not recoveries:
+        return {**row, "outcome": "wrong", "note": "no recovery took place: the fault did not fire"}
+    fell_back = any(rec.get("fallback") for rec in recoveries)
+    return {**row, "outcome": "fell_back" if fell_back else "recovered"}
+
+
+def describe(faults: list[catalogue.Fault], world: int) -> tuple[str, str, str]:
+    """(fault, phase, rank label) of a case: its last fault (the first is a trigger, when two)."""
+    f = faults[-1]
+    label = {0: "first", world - 1: "last", catalogue.SPARE: "spare"}.get(f.rank, "middle")
+    return f.kind, f.phase, f"{label} ({'spare' if f.rank == catalogue.SPARE else f.rank})"
+
+
+def write_table(path: str, report: dict) -> None:
+    rows = report["rows"]
+    lines = ["# Fault matrix", "",
+             "Generated by `recipes/fault_matrix.py` (do not edit by hand): "
+             f"`{report['command']}`, {report['date']}, {report['seconds']:.0f} s.", "",
+             "Summary: " + ", ".join(f"{k} {v}" for k, v in report["summary"]["outcomes"].items()) +
+             f"; every case acceptable: **{report['summary']['all_acceptable']}**; most iterations lost by a "
+             f"recovered case: {report['summary']['max_lost_iterations']}.", "",
+             "| framework | fault | phase | rank | outcome | bitwise | lost | recovery s | case |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = f"{r['recovery_s']:.2f}" if r["recovery_s"] is not None else "-"
+        bit = {True: "yes", False: "NO", None: "-"}[r["bitwise_identical"]]
+        lost = "-" if r["lost_iterations"] is None else str(r["lost_iterations"])
+        lines.append(f"| {r['framework']} | {r['fault']} | {r['phase']} | {r['rank']} | {r['outcome']} | {bit} | "
+                     f"{lost} | {rec} | `{r['case']}` |")
+    notes = [r for r in rows if r["note"]]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- `{r['case']}`: {r['note']}" for r in notes]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="fault_matrix")
+def main(cfg) -> None:
+    t_start = time.monotonic()
+    data = OmegaConf.to_container(cfg, resolve=True)
+    matrix = from_mapping(FaultMatrixConfig, data)
+    run_dir = HydraConfig.get().runtime.output_dir
+    world, per_node = matrix.parallel.num_ranks, matrix.parallel.num_ranks // matrix.parallel.logical_nodes
+    cases = matrix.cases or product(matrix, world, per_node)
+    refs: dict[str, dict] = {}
+    rows = []
+    for i, case in enumerate(cases):
+        framework, faults = parse_case(case)
+        job = framework_job(data, framework)
+        if framework not in refs:
+            ref_dir = os.path.join(run_dir, f"uninterrupted-{framework}")
+            code, tail = run_job(job, ref_dir, 0, matrix.case_timeout_s)
+            refs[framework] = ranks_of(ref_dir)
+            if code != 0 or sorted(refs[framework]) != list(range(world)):
+                sys.exit(f"fault_matrix: the uninterrupted {framework} run failed (exit {code}):\n{tail}")
+        out_dir = os.path.join(run_dir, f"case{i:03d}")
+        t0 = time.monotonic()
+        code, tail = run_job(job, out_dir, matrix.spares, matrix.case_timeout_s, faults=[str(f) for f in faults])
+        row = classify(code, tail, ranks_of(out_dir), refs[framework], world)
+        kind, phase, rank = describe(faults, world)
+        row = {"case": case, "fault": kind, "phase": phase, "rank": rank, "framework": framework, **row,
+               "seconds": time.monotonic() - t0, "exit_code": code, "dir": out_dir}
+        rows.append(row)
+        print(f"[{i + 1}/{len(cases)}] {case}: {row['outcome']} (lost {row['lost_iterations']}, "
+              f"recovery {row['recovery_s']}, {row['seconds']:.1f} s) {row['note']}", flush=True)
+    outcomes = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
+    recovered = [r for r in rows if r["outcome"] in ("recovered", "fell_back")]
+    summary = {"cases": len(rows), "outcomes": outcomes,
+               "all_acceptable": all(r["outcome"] in ACCEPTABLE for r in rows),
+               "max_lost_iterations": max((r["lost_iterations"] for r in recovered), default=0),
+               "recovered_bitwise": all(r["bitwise_identical"] for r in recovered)}
+    report = {"rows": rows, "summary": summary, "fault_step": matrix.fault_step, "steps": matrix.train.steps,
+              "spares_per_node": matrix.spares, "num_ranks": world, "seconds": time.monotonic() - t_start,
+              "date": time.strftime("%Y-%m-%d"),
+              "command": "python recipes/fault_matrix.py " + " ".join(HydraConfig.get().overrides.task)}
+    with open(matrix.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    if matrix.docs:
+        write_table(matrix.docs, report)
+    print(json.dumps(summary))
+    print(f"wrote {os.path.abspath(matrix.out)}" + (f" and {matrix.docs}" if matrix.docs else ""))
+    if not summary["all_acceptable"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The fault catalogue (hotspare.testing.faults) and the fault matrix (recipes/fault_matrix.py).
+
+Pure tests of the catalogue's notation and of which phases each kind applies to; then the
+matrix's representative subset, one case per fault kind (the whole matrix is `make faults`):
+real processes under hotspare-run (4 ranks over 2 logical nodes, 1 spare per node, gloo on
+127.0.0.1), each case against an uninterrupted run, every outcome acceptable, every recovered
+case bitwise identical with at most one lost iteration."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import RECIPES
+from hotspare.testing import faults as catalogue
+
+
+def test_a_fault_reads_back_as_written_and_names_what_is_wrong():
+    for text in ("kill@forward:1:5", "hang@recovery:spare:3", "corrupt@keeper:0:4:1", "slow@mirror:3:2"):
+        assert str(catalogue.Fault.parse(text)) == text
+    assert catalogue.Fault.parse("segv@backward:spare:2").rank == catalogue.SPARE
+    with pytest.raises(ValueError, match="does not apply to phase 'forward'"):
+        catalogue.Fault.parse("corrupt@forward:1:2")
+    with pytest.raises(ValueError, match="fault kind 'melt'"):
+        catalogue.Fault.parse("melt@forward:1:2")
+    with pytest.raises(ValueError, match="expected KIND@PHASE:RANK:STEP"):
+        catalogue.Fault.parse("kill@forward:1")
+
+
+def test_every_kind_applies_to_the_phases_the_matrix_runs():
+    assert set(catalogue.PHASES_OF) == set(catalogue.KINDS)
+    for kind, phases in catalogue.PHASES_OF.items():
+        assert phases and set(phases) <= set(catalogue.PHASES), kind
+    assert catalogue.PHASES_OF["slow"] == ("mirror",)
+
+
+def test_the_matrix_product_adds_a_first_failure_where_a_case_needs_one():
+    import fault_matrix
+
+    cfg = fault_matrix.FaultMatrixConfig(frameworks=["zero2"], kinds=["kill"], phases=["forward", "recovery"])
+    cases = fault_matrix.product(cfg, world=4, per_node=2)
+    assert len(cases) == 8  # 2 phases x 4 targets
+    assert "zero2/kill@forward:0:3" in cases
+    # A fault on the spare needs a rank to fail first; one during a recovery needs a recovery.
+    assert "zero2/kill@forward:1:3+kill@forward:spare:3" in cases
+    assert "zero2/kill@forward:2:3+kill@recovery:0:3" in cases
+    with pytest.raises(Exception, match="frameworks: 'zero4'"):
+        fault_matrix.FaultMatrixConfig(frameworks=["zero4"])
+
+
+SUBSET = ["zero2/segv@backward:0:3", "zero2/exception@step:3:3", "zero2/hang@keeper:1:3", "zero2/node@mirror:1:3",
+          "zero2/corrupt@keeper:2:3", "megatron/slow@mirror:3:3", "zero2/kill@forward:1:3+kill@recovery:spare:3"]
+
+
+def test_one_case_of_each_fault_kind_ends_acceptably(tmp_path, no_leaks):
+    assert {c.split("/")[1].split("+")[-1].split("@")[0] for c in SUBSET} == set(catalogue.KINDS)
+    out = tmp_path / "f.json"
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "fault_matrix.py"), f"out={out}", "spares=1",
+                           f"cases=[{','.join(SUBSET)}]", f"hydra.run.dir={tmp_path}", f"docs={tmp_path / 'f.md'}"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["case"]: r for r in report["rows"]}
+    assert list(rows) == SUBSET
+    for case, r in rows.items():
+        assert {"fault", "phase", "rank", "framework", "outcome", "bitwise_identical", "lost_iterations",
+                "recovery_s"} <= set(r)
+        assert r["outcome"] in ("recovered", "fell_back", "stopped_cleanly"), (case, r["outcome"], r["note"])
+        if r["outcome"] == "recovered":
+            assert r["bitwise_identical"] is True and r["lost_iterations"] <= 1, (case, r)
+    # One spare per node cannot replace a whole node's two ranks: the job stops, saying so.
+    assert rows["zero2/node@mirror:1:3"]["outcome"] == "stopped_cleanly"
+    assert "--spares-per-node >= 2" in rows["zero2/node@mirror:1:3"]["note"]
+    assert sum(r["outcome"] == "recovered" for r in rows.values()) == len(SUBSET) - 1
+    assert report["summary"]["all_acceptable"] is True and proc.returncode == 0
+    # The keeper's corrupted chunks were found by their checksums and the state came from the peers.
+    events = [json.loads(line) for path in (tmp_path / "case004" / "events").glob("*.jsonl")
+              for line in path.read_text().splitlines()]
+    attach = [e for e in events if e["kind"] == "keeper_attach"]
+    assert attach and attach[0]["corrupt_chunks"] and not attach[0]["verified"]
+    assert any(e["kind"] == "restore" and e.get("source") == "peers" for e in events)
+    assert "| zero2 | segv | backward |" in (tmp_path / "f.md").read_text()
