@@ -27,10 +27,10 @@ slow: venv
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 # The whole fault matrix (every fault kind x phase x target rank, ZeRO 1/2/3 and megatron; hours on
-# 2 cores): fault_matrix.json and docs/faults.md. FAULTS_ARGS narrows it, e.g. 'frameworks=[zero2]'.
+# 2 cores): fault_matrix.json and docs/fault-matrix.md. FAULTS_ARGS narrows it, e.g. 'frameworks=[zero2]'.
 FAULTS_ARGS ?=
 faults: venv
-	$(PY) recipes/fault_matrix.py out=fault_matrix.json docs=docs/faults.md $(FAULTS_ARGS)
+	$(PY) recipes/fault_matrix.py out=fault_matrix.json docs=docs/fault-matrix.md $(FAULTS_ARGS)
 
 # The GPT recipe with one spare per logical node; rank 1 is SIGKILLed before step 150 and
 # replaced in place. Prints the recovery's phases and writes timeline.png (see the run dir).

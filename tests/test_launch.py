@@ -19,13 +19,17 @@ from hotspare import launch
 ENV_DUMP = textwrap.dedent("""
     import json, os, sys
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "HOTSPARE_NODE_RANK", "HOTSPARE_NUM_NODES", "HOTSPARE_JOB_ID", "HOTSPARE_STORE_PORT", "DS_ACCELERATOR"]
+            "HOTSPARE_NODE_RANK", "HOTSPARE_NUM_NODES", "HOTSPARE_JOB_ID", "HOTSPARE_STORE_PORT", "DS_ACCELERATOR",
+            "GLOO_SOCKET_IFNAME"]
     import torch.distributed as dist, datetime
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=30))
     store.set("hello/" + os.environ["RANK"], "1")
+    import psutil
+    listening = sorted({c.laddr.ip for c in psutil.Process(os.getppid()).net_connections(kind="inet")
+                        if c.status == psutil.CONN_LISTEN})
     with open(os.path.join(sys.argv[1], "env" + os.environ["RANK"] + ".json"), "w") as f:
-        json.dump({k: os.environ.get(k) for k in keys}, f)
+        json.dump({**{k: os.environ.get(k) for k in keys}, "launcher_listens_on": listening}, f)
 """)
 
 
@@ -69,6 +73,10 @@ def test_workers_get_ranks_nodes_and_the_store(tmp_path, no_leaks):
     # The launcher picked a free port and every worker reached its store there.
     assert len({e["MASTER_PORT"] for e in envs}) == 1 and envs[0]["MASTER_PORT"] != "0"
     assert {e["DS_ACCELERATOR"] for e in envs} == {os.environ.get("DS_ACCELERATOR", "cpu")}
+    # Control-plane safety: the store listens on the launcher's address only, and the workers'
+    # collectives are told to use its interface (loopback on one machine).
+    assert envs[0]["launcher_listens_on"] == ["127.0.0.1"]
+    assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
 
 
 def test_a_failing_worker_stops_the_job_with_its_code(tmp_path, no_leaks):

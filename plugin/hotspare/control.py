@@ -126,6 +126,16 @@ class Plan:
         return None
 
 
+def current_plan(store, world_size: int) -> Plan:
+    """The newest plan in the store (generation 0's, the initial workers, before any failure)."""
+    g = 0
+    while store.check([f"plan/{g + 1}"]):
+        g += 1
+    if g == 0:
+        return Plan(0, world_size, {str(r): active_id(r) for r in range(world_size)})
+    return Plan.from_json(store.get(f"plan/{g}"))
+
+
 def choose_spares(dead: Mapping[int, int], spares: Sequence[tuple[str, int]]) -> dict[int, str] | None:
     """Which spare takes which dead rank: a pure function.
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from . import control, env, faults
+from . import control, env, faults, identity
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,15 @@ class Generation:
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client connection to the launcher's control store."""
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """A client connection to the launcher's control store; a clear error when it cannot be reached."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:  # torch raises DistNetworkError (a RuntimeError) or TimeoutError
+        raise ConnectionError(
+            f"cannot reach hotspare's control store at {host}:{port} within {timeout_s:.0f} s ({exc}). Is node 0's "
+            f"hotspare-run up, and are --master-addr/--master-port (or --rdzv-endpoint) the address it listens "
+            f"on? It listens on its --master-addr only.") from None
 
 
 def store_from_env() -> dist.TCPStore:
@@ -89,6 +95,7 @@ def join(store: dist.Store, gen: Generation, backend: str, timeout_s: float,
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists; call leave() before joining a new generation")
     faults.hit("join", gen.index)
+    identity.check_job(store)
     arrive(store, gen, timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
     if marks is not None:
         marks["arrived"] = time.monotonic()  # every member is here: the rest is the group's own setup

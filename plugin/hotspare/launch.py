@@ -23,13 +23,14 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from . import control, env, keeper
+from . import control, env, identity, keeper
 
 POLL_INTERVAL_S = 0.02
 ABORT_EXIT_CODE = 3
@@ -74,6 +75,9 @@ class LaunchSpec:
     """Added to every worker's environment."""
     keeper: bool = True
     """Start a keeper per (logical) node (off: ranks retain nothing outside their processes)."""
+    advertise_addr: str = ""
+    """This node's address for the workers' collectives (gloo, NCCL's bootstrap); empty: the
+    address this machine reaches ``master_addr`` from. Logged at start."""
 
     def to_argv(self) -> list[str]:
         """hotspare-run's command line for this spec (``extra_env``, ``settle_s`` and
@@ -86,6 +90,8 @@ class LaunchSpec:
             argv.append(f"--job-id={self.job_id}")
         if not self.keeper:
             argv.append("--no-keeper")
+        if self.advertise_addr:
+            argv.append(f"--advertise-addr={self.advertise_addr}")
         script = self.script
         if script and script[0] == "-m":
             argv.append("-m")
@@ -164,6 +170,7 @@ class Launcher:
         self.spec = spec
         self.job_id = spec.job_id or uuid.uuid4().hex[:12]
         self.store = None
+        self.advertise_addr, self.advertise_ifname = spec.advertise_addr, ""
         self.port = 0
         self.workers: dict[str, Worker] = {}
         self.generation = 0
@@ -190,14 +197,36 @@ class Launcher:
     def _open_store(self) -> int:
         import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=self.spec.store_timeout_s)
-        if self.spec.node_rank != 0:
-            self.store = dist.TCPStore(self.spec.master_addr, self.spec.master_port, is_master=False,
-                                       timeout=timeout, wait_for_workers=False)
-            return self.spec.master_port
-        self.store = dist.TCPStore(self.spec.master_addr, self.spec.master_port, is_master=True,
-                                   timeout=timeout, wait_for_workers=False)
+        from .generation import connect_store
+
+        s = self.spec
+        if s.node_rank != 0:
+            self.store = connect_store(s.master_addr, s.master_port, s.store_timeout_s)
+            theirs = self.store.get(identity.JOB_KEY).decode()
+            if s.job_id and s.job_id != theirs:
+                raise ValueError(f"--job-id={s.job_id}, but the control store at {s.master_addr}:{s.master_port} "
+                                 f"serves job {theirs}: start every node's hotspare-run with the same --job-id (or "
+                                 f"none: the others take node 0's)")
+            self.job_id = theirs
+            return s.master_port
+        # The store listens on the address the launcher was given only (127.0.0.1 on one
+        # machine), not on every interface as TCPStore's own socket would.
+        listener = listen_socket(s.master_addr, s.master_port)
+        self.store = dist.TCPStore(s.master_addr, listener.getsockname()[1], is_master=True,
+                                   timeout=datetime.timedelta(seconds=s.store_timeout_s), wait_for_workers=False,
+                                   master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the descriptor now and closes it when it goes
+        self.store.set(identity.JOB_KEY, self.job_id)
         return self.store.port
+
+    def _advertise(self) -> None:
+        """The address this node's workers talk from, and its interface: gloo (and NCCL's
+        bootstrap) are told to use it, so no collective traffic goes out another network."""
+        s = self.spec
+        self.advertise_addr = s.advertise_addr or route_to(s.master_addr)
+        self.advertise_ifname = interface_of(self.advertise_addr)
+        where = f"interface {self.advertise_ifname}" if self.advertise_ifname else "no local interface has it"
+        _log(f"node {s.node_rank} advertises {self.advertise_addr} ({where})")
 
     @property
     def num_nodes(self) -> int:
@@ -230,6 +259,9 @@ class Launcher:
         # A worker killed by a fatal signal (SIGSEGV, SIGABRT from a C++ terminate, ...) prints
         # every thread's Python stack: what the failure report needs to say where it died.
         worker_env.setdefault("PYTHONFAULTHANDLER", "1")
+        if self.advertise_ifname:
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                worker_env.setdefault(var, self.advertise_ifname)
         if node in self.keepers:
             worker_env[env.HOTSPARE_KEEPER_SOCKET] = keeper.socket_path(self.job_id, node)
         return worker_env
@@ -265,6 +297,7 @@ class Launcher:
         # when this node has no GPU; a user's own setting is kept).
         env.configure_accelerator()
         self.port = self._open_store()
+        self._advertise()
         _log(f"job {self.job_id}: node {self.spec.node_rank}/{self.spec.nnodes}, {self.spec.nproc_per_node} "
              f"workers + {self.spec.spares_per_node} spare(s) per node, store {self.spec.master_addr}:{self.port}")
         if self.spec.keeper:
@@ -595,6 +628,43 @@ def run(spec: LaunchSpec) -> int:
             signal.signal(s, h)
 
 
+def listen_socket(addr: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``addr`` only (port 0: a free one)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on --master-addr {addr} port {port}: {exc} (is the address this "
+                         f"machine's, and the port free?)") from None
+    sock.listen(1024)
+    sock.set_inheritable(False)
+    return sock
+
+
+def route_to(addr: str) -> str:
+    """The local address this machine reaches ``addr`` from (a UDP connect: nothing is sent)."""
+    family = socket.getaddrinfo(addr, 1, type=socket.SOCK_DGRAM)[0][0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((addr, 1))
+            return s.getsockname()[0]
+        except OSError:
+            return addr
+
+
+def interface_of(addr: str) -> str:
+    """The name of the local interface that holds ``addr`` ('' when none does)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    return ""
+
+
 def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     p = argparse.ArgumentParser(prog="hotspare-run", description=__doc__.split("\n\n")[0])
     p.add_argument("--nnodes", type=int, default=1)
@@ -613,6 +683,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
                         "killed as stuck")
     p.add_argument("--no-keeper", action="store_true",
                    help="start no keeper (ranks retain nothing outside their own processes)")
+    p.add_argument("--advertise-addr", default="",
+                   help="this node's address for the workers' collectives (default: the one that reaches "
+                        "--master-addr); its interface becomes GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -627,7 +700,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     return LaunchSpec(script=script, nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
                       master_addr=addr, master_port=port, logical_nodes=a.logical_nodes,
                       spares_per_node=a.spares_per_node, job_id=a.job_id,
-                      store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s, keeper=not a.no_keeper)
+                      store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s, keeper=not a.no_keeper,
+                      advertise_addr=a.advertise_addr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -637,7 +711,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         _log(f"error: {exc}")
         return 2
-    return run(spec)
+    try:
+        return run(spec)
+    except (ValueError, ConnectionError) as exc:  # the store's address, another job's store
+        _log(f"error: {exc}")
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, control, env, erasure, rebuild
+from . import checkpoint, control, env, erasure, identity, rebuild
 from .config import ConfigError, HotspareConfig
 from .events import EventLog
 from .generation import Generation, Superseded, join, leave, store_from_env
@@ -505,10 +505,15 @@ def agree_on(group, values: list[int]) -> None:
                             f"max {(-hi).tolist()}; not resuming on inconsistent state")
 
 
-def join_from_env(backend: str, timeout_s: float) -> tuple[Generation, Any]:
+def join_from_env(backend: str, timeout_s: float, fingerprint: str | None = None) -> tuple[Generation, Any]:
+    """An active rank joins the job's first generation through hotspare-run's store, after its
+    job id and ``fingerprint`` (:mod:`hotspare.identity`) are checked."""
     gen = Generation(index=env.env_int(env.HOTSPARE_GENERATION, 0), rank=env.env_int("RANK"),
                      world_size=env.env_int("WORLD_SIZE"))
     store = store_from_env()
+    identity.check_job(store)
+    if fingerprint is not None:
+        identity.check_fingerprint(store, fingerprint, worker_id())
     join(store, gen, backend, timeout_s)
     return gen, store
 
@@ -575,7 +580,8 @@ class Takeover:
     t_order: float
 
 
-def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lambda: None) -> Takeover:
+def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lambda: None,
+                   fingerprint: str | None = None) -> Takeover:
     """A spare (``HOTSPARE_ROLE=spare``): warm up, wait for a takeover order, then stand in for
     the rank it names on torch's fake process group (collectives do nothing), so that the host
     builds that rank's objects while the coordinator plans; :meth:`Session._join_as_spare`
@@ -585,6 +591,10 @@ def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lamb
         raise ConfigError("this process was started as a spare, but the config's \"hotspare\" section is "
                           "missing or has recovery off; give the job's config to every worker")
     store = store_from_env()
+    # A spare started with another script, config or version is refused now, not at its takeover.
+    identity.check_job(store)
+    if fingerprint is not None:
+        identity.check_fingerprint(store, fingerprint, worker_id())
     heartbeat = heartbeat_for(cfg, store)
     warm_up()
     # The coordinator names the rank as soon as the failure is reported (Prepare), so the

@@ -64,8 +64,6 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
         ds["hotspare"]["checkpoint"] = {"dir": os.path.join(out, "ckpt"), "every": ckpt_every}
     if any(spec.endswith(":join") and spec.split(":")[0] == os.environ.get("RANK") for spec in kill.split(",")) \
             and worker_id() == f"a{os.environ.get('RANK')}":
-        from hotspare import faults as fault_points
-
         fault_points.arm("join", at=1)  # a second failure while the first recovery's generation forms
     session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
     engine, rank, wid = session.engine, session.generation.rank, worker_id()

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint, env
-from ..config import split_deepspeed_config
+from .. import checkpoint, env, identity
+from ..config import split_deepspeed_config, to_mapping
 from ..events import EventLog
 from ..generation import Generation
 from ..recovery import RecoveryError
@@ -122,14 +122,16 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         collective_timeout_s = hs_config.recovery.collective_timeout_s if hs_config is not None else 120.0
     spare = role() == "spare"
     store, heartbeat, plan = None, None, None
+    fp = identity.fingerprint({"deepspeed": ds_config, "hotspare": to_mapping(hs_config) if hs_config else None},
+                              {"deepspeed": deepspeed.__version__})
     if spare:
-        order = await_takeover(hs_config, warm_up_spare)
+        order = await_takeover(hs_config, warm_up_spare, fp)
         store, heartbeat, plan, rank, t_order = order.store, order.heartbeat, order.plan, order.rank, order.t_order
         gen = Generation(order.generation - 1, rank, order.world_size)
     elif dist.is_initialized():
         gen = Generation(index=0, rank=dist.get_rank(), world_size=dist.get_world_size())
     else:
-        gen, store = join_from_env(backend, collective_timeout_s)
+        gen, store = join_from_env(backend, collective_timeout_s, fp)
         if hs_config is not None and hs_config.enabled and hs_config.recovery.enabled:
             heartbeat = heartbeat_for(hs_config, store)
     deepspeed.init_distributed(dist_backend=backend)

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import rebuild
-from ..config import DEEPSPEED_SECTION, ConfigError, HotspareConfig, from_mapping
+from .. import identity, rebuild
+from ..config import DEEPSPEED_SECTION, ConfigError, HotspareConfig, from_mapping, to_mapping
 from ..events import EventLog
 from ..generation import Generation
 from ..recovery import RecoveryError
@@ -446,14 +446,18 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
                 "create_gloo_process_groups": False, "distributed_timeout_minutes": timeout_s / 60.0}
     spare = role() == "spare"
     store = heartbeat = order = None
+    from megatron.core import package_info
+
+    fp = identity.fingerprint({"parallel": parallel, "hotspare": to_mapping(hs) if hs else None},
+                              {"megatron-core": package_info.__version__})
     if spare:
-        order = await_takeover(hs)
+        order = await_takeover(hs, fingerprint=fp)
         store, heartbeat = order.store, order.heartbeat
         gen = Generation(order.generation - 1, order.rank, order.world_size)
     elif dist.is_initialized():
         gen = Generation(index=0, rank=dist.get_rank(), world_size=dist.get_world_size())
     else:
-        gen, store = join_from_env(backend, timeout_s)
+        gen, store = join_from_env(backend, timeout_s, fp)
         if hs is not None and hs.enabled:
             heartbeat = heartbeat_for(hs, store)
     ps.initialize_model_parallel(**parallel)

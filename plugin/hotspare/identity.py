@@ -1,0 +1,77 @@
+"""Who may join a job: the job id every process carries, and a fingerprint of what it runs.
+
+The control store (node 0's ``hotspare-run``) holds the job's id (``job/id``) and the
+fingerprint of the first worker that joined (``job/fingerprint``). Every join of a generation
+checks the id, so a process of another job that reaches this store (a stale worker, a
+launcher started with the wrong ``--master-port``) is refused instead of being counted as a
+rank; every worker checks its fingerprint when it starts, so a spare or a node started with
+another script, config or package version is refused at once, naming both fingerprints,
+instead of taking a rank and training on different code.
+
+The fingerprint covers the training script's bytes, the config (DeepSpeed's, with its
+``"hotspare"`` section; megatron-core's parallel layout and hotspare section) and the versions
+of Python, torch, hotspare and the host framework. It does not cover the command line's other
+arguments (paths may differ from node to node).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from collections.abc import Mapping
+
+from . import env
+
+JOB_KEY = "job/id"
+FINGERPRINT_KEY = "job/fingerprint"
+
+
+class JoinRefused(RuntimeError):
+    """This process belongs to another job, or runs something other than the job does."""
+
+
+def fingerprint(config: Mapping | None, versions: Mapping[str, str] | None = None,
+                script: str | None = None) -> str:
+    """16 hex digits over the script's bytes, ``config`` (as sorted JSON) and the versions."""
+    import torch
+
+    from . import __version__
+
+    h = hashlib.sha256()
+    script = script if script is not None else (sys.argv[0] if sys.argv and sys.argv[0] else "")
+    if script and os.path.isfile(script):
+        with open(script, "rb") as f:
+            h.update(f.read())
+    h.update(json.dumps(config or {}, sort_keys=True, default=str).encode())
+    all_versions = {"python": platform.python_version(), "torch": torch.__version__, "hotspare": __version__,
+                    **(versions or {})}
+    h.update(json.dumps(all_versions, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def check_job(store) -> None:
+    """Refuse to join unless the store's job id is this process's (``HOTSPARE_JOB_ID``); a
+    process not started by hotspare-run (no id) or a store without one is not checked."""
+    mine = os.environ.get(env.HOTSPARE_JOB_ID)
+    if not mine or store is None or not store.check([JOB_KEY]):
+        return
+    theirs = store.get(JOB_KEY).decode()
+    if theirs != mine:
+        raise JoinRefused(f"this process belongs to job {mine}, but the control store at "
+                          f"{os.environ.get(env.HOTSPARE_STORE_HOST, '?')}:{os.environ.get(env.HOTSPARE_STORE_PORT, '?')} "
+                          f"serves job {theirs}: it is not joining. Check --master-addr/--master-port (or "
+                          f"--rdzv-endpoint) of its hotspare-run.")
+
+
+def check_fingerprint(store, mine: str, worker: str) -> None:
+    """The first worker's fingerprint becomes the job's; refuse any worker whose differs."""
+    if store is None:
+        return
+    theirs = store.compare_set(FINGERPRINT_KEY, "", mine).decode()
+    if theirs != mine:
+        raise JoinRefused(f"worker {worker} runs a different script, config or package version than the job "
+                          f"(fingerprint {mine}, the job's {theirs}: over the script's bytes, the config and the "
+                          f"versions of Python, torch, hotspare and the host framework). Start every node's "
+                          f"hotspare-run with the same script, config and environment.")

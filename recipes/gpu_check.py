@@ -1,0 +1,358 @@
+"""The checks of hotspare's accelerator paths that need a GPU, in one run (one GPU is enough):
+writes one JSON object and prints it. CI never runs this (it has no GPU); run it where one is:
+
+    python recipes/gpu_check.py --out gpu_check.json [--mb 1024]
+
+- ``mirror``: two mirrors in threads (in-process transport) capture CUDA state into pinned host
+  snapshots and mirror it; the holder's committed copy must equal the source bitwise. Reports
+  how long the training thread was held per capture (``capture_ms``) against the D2H copy time
+  alone, pinned and pageable, and the copy rate.
+- ``deepspeed``: a ZeRO engine (stages 2 and 3) on the GPU (NCCL, world size 1): the unique
+  state is captured, one step run, the state restored and resynced, the step run again: the
+  loss and the fp32 partitions must be bitwise the same both times (restore and resync on CUDA
+  tensors, the CUDA RNG state included).
+- ``megatron``: the same round trip for a megatron-core GPTModel with the distributed optimizer
+  (no CPU shim: it does nothing where CUDA is available).
+- ``nccl``: ``hotspare.sockets.abort_nccl`` aborts an NCCL group, and a new generation's group
+  is made on a new store prefix in the same process (the in-place rebuild on NCCL).
+- ``cuda_ipc``: what a keeper's GPU tier would rest on: a keeper-like process allocates device
+  memory and exports its IPC handle; a trainer process maps it, writes state, and is SIGKILLed;
+  a spare process maps the same handle and reads the state back bitwise. Reports the
+  device-to-device rate into the mapped memory.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+
+def section(results: dict, name: str):
+    def wrap(fn):
+        t0 = time.perf_counter()
+        try:
+            results[name] = {"ok": True, **fn()}
+        except Exception as exc:  # noqa: BLE001 - every check reports, none stops the others
+            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc()[-3000:]}
+        results[name]["seconds"] = time.perf_counter() - t0
+        print(f"{name}: {'ok' if results[name]['ok'] else 'FAILED ' + results[name]['error']}", flush=True)
+        return fn
+    return wrap
+
+
+def sha(t) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy()
+                          .tobytes()).hexdigest()
+
+
+def check_mirror(mb: int) -> dict:
+    import torch
+
+    from hotspare.mirror import Mirror
+    from hotspare.transport import LocalFabric
+
+    out = {}
+    numel = mb * (1 << 20) // 4
+    for pinned in (True, False):
+        fabric = LocalFabric()
+        holders = {0: [1], 1: [0]}
+        barrier = threading.Barrier(2)
+        vals, lock = [], threading.Lock()
+
+        def agree(t):
+            with lock:
+                vals.append(t.clone())
+            barrier.wait()
+            t.copy_(torch.stack(vals[-2:]).min(0).values)
+            barrier.wait()
+            with lock:
+                if len(vals) >= 2:
+                    vals.clear()
+            barrier.wait()
+
+        mirrors = [Mirror(r, 0, holders, fabric.endpoint(r), agree, chunk_bytes=64 << 20, timeout_s=120,
+                          pin_memory=pinned) for r in range(2)]
+        states = [[("fp32.0", torch.randn(numel, device="cuda")), ("optim.0.exp_avg", torch.randn(numel // 2,
+                                                                                                  device="cuda"))]
+                  for _ in range(2)]
+        truth = [[sha(t) for _, t in s] for s in states]
+        errors = []
+
+        def loop(r):
+            try:
+                m = mirrors[r]
+                for v in range(1, 6):
+                    with torch.no_grad():
+                        for _, t in states[r]:
+                            t.mul_(1.0)  # a kernel on the default stream before each capture, as a step
+                    m.on_step(v, lambda: states[r], lambda: {"v": v})
+                m.flush()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        if errors:
+            raise errors[0]
+        m0 = mirrors[0]
+        version, buf = m0.read_committed(1)
+        held = [sha(v) for v in m0.layout.views(buf)[:2]]
+        nbytes = m0.layout.nbytes
+        # The D2H copy alone, for comparison.
+        dst = torch.empty(numel, pin_memory=pinned)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(states[1][0][1], non_blocking=pinned)
+        torch.cuda.synchronize()
+        copy_s = (time.perf_counter() - t0) * 1.5  # the layout is 1.5 x numel floats
+        key = "pinned" if pinned else "pageable"
+        out[key] = {"bytes": nbytes, "version": version, "bitwise": held == truth[1],
+                    "capture_ms": 1e3 * m0.stats.capture_s / m0.stats.rounds, "rounds": m0.stats.rounds,
+                    "d2h_copy_ms": 1e3 * copy_s, "d2h_gb_per_s": nbytes / copy_s / 1e9,
+                    "round_ms": 1e3 * m0.stats.round_s / max(1, m0.stats.rounds)}
+        for m in mirrors:
+            m.close()
+        if held != truth[1]:
+            raise AssertionError(f"{key}: the holder's copy differs from the source")
+    return out
+
+
+def init_nccl(path: str):
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    store = dist.FileStore(path, 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    return store
+
+
+def check_deepspeed(tmp: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import hotspare
+    from hotspare.integrations.deepspeed import DeepSpeedState, fp32_partitions
+    from hotspare.snapshot import Layout, write_meta
+    from hotspare.testing.gpt import GPT, GPTConfig
+
+    out = {}
+    for stage in (2, 3):
+        init_nccl(os.path.join(tmp, f"ds{stage}"))
+        try:
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(num_layers=2, hidden_size=256, num_heads=4, seq_len=64, dropout=0.1))
+            ds = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                  "zero_optimization": {"stage": stage}}
+            session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
+            engine = session.engine
+            state = DeepSpeedState(engine)
+            g = torch.Generator().manual_seed(1)
+            batches = [torch.randint(0, 256, (4, 64), generator=g).cuda() for _ in range(3)]
+
+            def step(tokens):
+                loss = engine(tokens, tokens)
+                engine.backward(loss)
+                engine.step()
+                return float(loss)
+
+            step(batches[0])  # Adam's state exists from here on
+            named = state.tensors()
+            layout = Layout.of(named)
+            buf = layout.allocate(pin_memory=True)
+            for view, (_, t) in zip(layout.views(buf), named):
+                view.copy_(t.reshape(-1))
+            write_meta(buf, layout, state.meta())
+            first = step(batches[1])
+            after_first = [sha(p) for p in fp32_partitions(engine)]
+            state.restore(buf, layout)
+            state.resync()
+            second = step(batches[1])
+            after_second = [sha(p) for p in fp32_partitions(engine)]
+            out[f"zero{stage}"] = {"loss_bitwise": first == second, "fp32_bitwise": after_first == after_second,
+                                   "unique_bytes": layout.nbytes, "device": str(fp32_partitions(engine)[0].device)}
+            if not (first == second and after_first == after_second):
+                raise AssertionError(f"ZeRO-{stage}: the restored step differs ({first} vs {second})")
+            session.close()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return out
+
+
+def check_megatron(tmp: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from hotspare.integrations.megatron import MegatronState
+    from hotspare.snapshot import Layout, write_meta
+    from hotspare.testing import mcore_gpt
+    from hotspare.testing.gpt import GPTConfig
+
+    init_nccl(os.path.join(tmp, "mcore"))
+    try:
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        cfg = GPTConfig(num_layers=2, hidden_size=128, num_heads=4, seq_len=32, dropout=0.1, vocab_size=256)
+        t = mcore_gpt.MegatronTrain(micro_batch=2, microbatches=2, lr=1e-3, warmup_steps=1, decay_steps=10)
+        model, opt, sched = mcore_gpt.build(cfg, t)
+        state = MegatronState(model, opt, sched)
+
+        def batches(it):
+            for mb in range(t.microbatches):
+                g = torch.Generator().manual_seed(it * 10 + mb)
+                tok = torch.randint(0, cfg.vocab_size, (t.micro_batch, cfg.seq_len + 1), generator=g).cuda()
+                yield tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+
+        mcore_gpt.train_iteration(model, opt, sched, batches(0), t, cfg.seq_len)
+        state.iteration = 1
+        named = state.tensors()
+        layout = Layout.of(named)
+        buf = layout.allocate(pin_memory=True)
+        for view, (_, x) in zip(layout.views(buf), named):
+            view.copy_(x.reshape(-1))
+        write_meta(buf, layout, state.meta())
+        first = mcore_gpt.train_iteration(model, opt, sched, batches(1), t, cfg.seq_len)
+        d1 = mcore_gpt.state_digest(opt)
+        state.restore(buf, layout)
+        state.resync()
+        second = mcore_gpt.train_iteration(model, opt, sched, batches(1), t, cfg.seq_len)
+        d2 = mcore_gpt.state_digest(opt)
+        if not (first == second and d1 == d2):
+            raise AssertionError(f"the restored iteration differs: loss {first} vs {second}")
+        return {"loss_bitwise": True, "state_bitwise": True, "unique_bytes": layout.nbytes,
+                "has_cuda_rng": any(n == "rng.cuda" for n, _ in named)}
+    finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_nccl(tmp: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from hotspare.sockets import abort_nccl
+
+    store = init_nccl(os.path.join(tmp, "abort"))
+    x = torch.ones(4, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    group = dist.group.WORLD
+    has_abort = hasattr(dist.distributed_c10d, "_abort_process_group")
+    t0 = time.perf_counter()
+    abort_nccl([group])
+    abort_s = time.perf_counter() - t0
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - an aborted group may refuse a clean destroy
+        pass
+    # The next generation on the same store, under its own prefix.
+    dist.init_process_group("nccl", store=dist.PrefixStore("gen/1/", store), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    y = torch.full((4,), 2.0, device="cuda")
+    dist.all_reduce(y)
+    ok = float(y.sum()) == 8.0
+    dist.destroy_process_group()
+    if not ok:
+        raise AssertionError("the new generation's all-reduce is wrong")
+    return {"abort_available": has_abort, "abort_s": abort_s, "new_generation_all_reduce": ok,
+            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+
+
+IPC_CHILD = r"""
+import base64, json, os, sys, signal, time, torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+w = json.loads(sys.stdin.readline())
+b = lambda x: None if x is None else base64.b64decode(x)
+t = rebuild_cuda_tensor(torch.Tensor, torch.Size(w["size"]), tuple(w["stride"]), w["offset"], torch.UntypedStorage,
+                        torch.uint8, w["device"], b(w["handle"]), w["storage_size"], w["storage_offset"], False,
+                        b(w["ref_handle"]), w["ref_offset"], b(w["event_handle"]), w["event_sync"])
+expect = torch.arange(t.numel(), device="cuda", dtype=torch.int64).to(torch.uint8)
+if sys.argv[1] == "write":
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(10):
+        t.copy_(expect)
+    torch.cuda.synchronize()
+    print(json.dumps({"d2d_gb_per_s": 10 * t.numel() / (time.perf_counter() - t0) / 1e9}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # a trainer that dies with the memory mapped
+else:
+    print(json.dumps({"read_back_bitwise": bool(torch.equal(t, expect))}), flush=True)
+"""
+
+
+def check_cuda_ipc(mb: int) -> dict:
+    """The keeper-like parent holds the allocation; its IPC handle travels as JSON (no pickle)."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    held = torch.zeros(mb << 20, dtype=torch.uint8, device="cuda")
+    _rebuild, a = reduce_tensor(held)
+    e = lambda x: None if x is None else base64.b64encode(x).decode()  # noqa: E731
+    wire = {"size": list(a[1]), "stride": list(a[2]), "offset": a[3], "device": a[6], "handle": e(a[7]),
+            "storage_size": a[8], "storage_offset": a[9], "ref_handle": e(a[11]), "ref_offset": a[12],
+            "event_handle": e(a[13]), "event_sync": a[14]}
+    line = json.dumps(wire) + "\n"
+    out = {}
+    w = subprocess.run([sys.executable, "-c", IPC_CHILD, "write"], input=line, capture_output=True, text=True,
+                       timeout=120)
+    out["writer_exit"] = w.returncode
+    out.update(json.loads(w.stdout.strip().splitlines()[0]) if w.stdout.strip() else {"writer_error": w.stderr[-1500:]})
+    torch.cuda.synchronize()
+    expect = torch.arange(held.numel(), device="cuda", dtype=torch.int64).to(torch.uint8)
+    out["keeper_sees_it"] = bool(torch.equal(held, expect))
+    r = subprocess.run([sys.executable, "-c", IPC_CHILD, "read"], input=line, capture_output=True, text=True,
+                       timeout=120)
+    out.update(json.loads(r.stdout.strip().splitlines()[0]) if r.stdout.strip() else {"reader_error": r.stderr[-1500:]})
+    if not (out["keeper_sees_it"] and out.get("read_back_bitwise")):
+        raise AssertionError(f"CUDA IPC retention failed: {out}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--mb", type=int, default=1024, help="size of the mirror check's state, MiB")
+    ap.add_argument("--only", default="", help="comma-separated sections")
+    a = ap.parse_args()
+    import torch
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+               "cuda_available": torch.cuda.is_available(),
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    only = set(filter(None, a.only.split(",")))
+    tmp = tempfile.mkdtemp(prefix="hotspare-gpu-")
+    checks = {"mirror": lambda: check_mirror(a.mb), "deepspeed": lambda: check_deepspeed(tmp),
+              "megatron": lambda: check_megatron(tmp), "nccl": lambda: check_nccl(tmp),
+              "cuda_ipc": lambda: check_cuda_ipc(min(a.mb, 512))}
+    for name, fn in checks.items():
+        if not only or name in only:
+            section(results, name)(fn)
+    with open(a.out, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict) or "traceback" not in v},
+                     default=str)[:4000])
+    return 0 if all(v.get("ok") for v in results.values() if isinstance(v, dict)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
