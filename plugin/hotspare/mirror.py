@@ -171,11 +171,19 @@ class Mirror:
         self.pin_memory = pin_memory
         self._make_snapshots = snapshots or (lambda layout: PrivateSnapshots(layout, pin_memory))
         self.snapshots: Snapshots | None = None
-        self._synchronize = None
+        # On an accelerator the capture is asynchronous: the device-to-host copies run on a
+        # stream of their own into pinned buffers, the training thread goes on at once, the
+        # mirror thread waits for the copy's event before it seals, checksums and sends, and
+        # the next optimizer step waits for it on the device (:meth:`before_update`).
+        self._acc = self._stream = None
+        self._copied: list = [None, None]  # per slot: the event of its copy in flight
+        self._fence = None  # the newest copy's event: sources must not change before it
         if pin_memory:
             from deepspeed.accelerator import get_accelerator
 
-            self._synchronize = get_accelerator().synchronize
+            acc = get_accelerator()
+            if acc.Stream is not None:  # DeepSpeed's CPU accelerator has no streams: stay synchronous
+                self._acc, self._stream = acc, acc.Stream()
         self.on_event = on_event or (lambda kind, **fields: None)
         self.stats = MirrorStats()
         self.enabled = True
@@ -252,15 +260,40 @@ class Mirror:
             slot = 0 if held[0] <= held[1] else 1
         self._own_version[slot] = NO_VERSION
         self.snapshots.begin(slot)
-        for i, (view, (_, src)) in enumerate(zip(self._own_views[slot], named)):
-            faults.hit("snapshot_write", i)
-            view.copy_(src.reshape(-1), non_blocking=self.pin_memory)
-        write_meta(self._own[slot], self.layout, meta)
-        if self._synchronize is not None:
-            self._synchronize()  # the non_blocking device-to-host copies must land before the round reads them
-        self.snapshots.seal(slot, version, self.generation)
+        if self._stream is None:
+            for i, (view, (_, src)) in enumerate(zip(self._own_views[slot], named)):
+                faults.hit("snapshot_write", i)
+                view.copy_(src.reshape(-1))
+            write_meta(self._own[slot], self.layout, meta)
+            self.snapshots.seal(slot, version, self.generation)  # see retain.py: sealed on the training thread
+        else:
+            self._stream.wait_stream(self._acc.current_stream())  # after the step's kernels that wrote the state
+            with self._acc.stream(self._stream):
+                for i, (view, (_, src)) in enumerate(zip(self._own_views[slot], named)):
+                    faults.hit("snapshot_write", i)
+                    if src.device.type != "cpu":
+                        src.record_stream(self._stream)
+                    view.copy_(src.reshape(-1), non_blocking=True)
+            event = self._acc.Event()
+            event.record(self._stream)
+            self._copied[slot] = self._fence = event
+            write_meta(self._own[slot], self.layout, meta)  # host memory: the metadata is written now
         self._own_version[slot] = version
         return slot
+
+    def before_update(self) -> None:
+        """Call before anything changes the captured state (the optimizer step): on an
+        accelerator, the device waits there until the last capture's copy has read it (the
+        training thread does not wait). A no-op on CPU, where the capture is synchronous."""
+        if self._fence is not None:
+            self._acc.current_stream().wait_event(self._fence)
+
+    def _copy_landed(self, slot: int) -> None:
+        """Block until slot's device-to-host copy is in host memory (accelerator only)."""
+        event = self._copied[slot]
+        if event is not None:
+            event.synchronize()
+            self._copied[slot] = None
 
     def _allocate(self, named: list) -> None:
         if self.layout is not None:
@@ -380,6 +413,8 @@ class Mirror:
         in a transfer ends with the transfer's error or its timeout; :meth:`join` waits for that.
         Returns whether the thread ended within ``join_s``. Buffers stay, for the restore.
         """
+        for slot in (0, 1):  # the restore reads this rank's own snapshots: their copies must have landed
+            self._copy_landed(slot)
         with self._commit_lock:
             self._stop.set()
             if self.snapshots is not None:
@@ -423,6 +458,9 @@ class Mirror:
     def _round(self, version: int, slot: int) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
         buf = self._own[slot]
+        if self._stream is not None:
+            self._copy_landed(slot)
+            self.snapshots.seal(slot, version, self.generation)  # only once its bytes are all there
         pieces = self._checksums(buf)
         if self.snapshots.chunk_bytes is not None:
             self.snapshots.commit(slot, version, pieces.grid(self.snapshots.chunk_bytes))

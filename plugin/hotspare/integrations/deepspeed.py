@@ -208,6 +208,8 @@ def _wrap_step(session: DeepSpeedSession) -> None:
 
     def step_and_mirror(*args, **kw):
         before = engine.global_steps
+        if session.mirror is not None:
+            session.mirror.before_update()  # the last capture's device-to-host copy read the state first
         out = step(*args, **kw)
         if engine.global_steps == before:
             return out  # a micro-step inside gradient accumulation

@@ -393,6 +393,19 @@ class MegatronSession(Session):
         ps.destroy_model_parallel()
 
 
+def _fence_optimizer_step(session: MegatronSession) -> None:
+    """Wrap the optimizer's ``step``: on an accelerator the last capture's device-to-host copy must
+    have read the shards before the step changes them (the device waits; not the host)."""
+    step = session.optimizer.step
+
+    def fenced_step(*args, **kwargs):
+        if session.mirror is not None:
+            session.mirror.before_update()
+        return step(*args, **kwargs)
+
+    session.optimizer.step = fenced_step
+
+
 def parse_config(config: Mapping | HotspareConfig | str | None) -> HotspareConfig | None:
     """The ``"hotspare"`` section: a mapping (the section, or a dict holding it under
     ``"hotspare"``), a JSON file path, or a HotspareConfig; None turns hotspare off."""
@@ -468,6 +481,7 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
                               pin_memory=torch.cuda.is_available())
     session.state = MegatronState(model, optimizer, scheduler, data_state, load_data_state)
     session._ps_groups = parallel_state_groups()
+    _fence_optimizer_step(session)
     if hs is None or not hs.enabled:
         return session
     session.events = EventLog(hs.events_dir, gen.rank, gen.index)
