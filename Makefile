@@ -31,6 +31,7 @@ slow: venv
 FAULTS_ARGS ?=
 faults: venv
 	$(PY) recipes/fault_matrix.py out=fault_matrix.json docs=docs/fault-matrix.md $(FAULTS_ARGS)
+	$(PY) recipes/fault_matrix.py out=fault_matrix_hosts.json docs=docs/fault-matrix-hosts.md hosts=true
 
 # The GPT recipe with one spare per logical node; rank 1 is SIGKILLed before step 150 and
 # replaced in place. Prints the recovery's phases and writes timeline.png (see the run dir).

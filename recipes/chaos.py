@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass
 
 import hydra
-import psutil
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
@@ -94,28 +93,6 @@ def store_port(log_path: str, deadline: float) -> int:
     raise RuntimeError(f"the launcher did not print its store address in {log_path}")
 
 
-def pid_of(job_id: str, worker: str) -> int | None:
-    for p in psutil.process_iter():
-        try:
-            e = p.environ()
-            if e.get(env.HOTSPARE_JOB_ID) == job_id and e.get(env.HOTSPARE_WORKER_ID) == worker:
-                return p.pid
-        except psutil.Error:
-            continue
-    return None
-
-
-def training_started(events_dir: str) -> bool:
-    """Some rank started mirroring (it is past ``initialize``: the job trains)."""
-    if not os.path.isdir(events_dir):
-        return False
-    for name in os.listdir(events_dir):
-        with open(os.path.join(events_dir, name), encoding="utf-8") as f:
-            if '"kind": "mirror_start"' in f.read():
-                return True
-    return False
-
-
 def soak(cfg: ChaosConfig, job, out_dir: str) -> tuple[int | None, list[dict], str]:
     """Run the job and kill on schedule; (exit code or None if hung, kills, launcher log tail)."""
     worker = gpt_job.MEGATRON_WORKER if job.framework == "megatron" else os.path.join(fault_matrix.RECIPES,
@@ -131,7 +108,7 @@ def soak(cfg: ChaosConfig, job, out_dir: str) -> tuple[int | None, list[dict], s
     try:
         store = connect_store("127.0.0.1", store_port(log_path, t_start + 60), 60)
         events = os.path.join(out_dir, "events")
-        while proc.poll() is None and not training_started(events):
+        while proc.poll() is None and not fault_matrix.training_started(events):
             time.sleep(0.2)
         t0 = time.monotonic()
         rng = random.Random(cfg.seed + 1)
@@ -143,7 +120,7 @@ def soak(cfg: ChaosConfig, job, out_dir: str) -> tuple[int | None, list[dict], s
             plan = control.current_plan(store, job.parallel.num_ranks)
             rank = rng.randrange(job.parallel.num_ranks)
             wid = plan.workers[str(rank)]
-            pid = pid_of(spec.job_id, wid)
+            pid = fault_matrix.pid_of(spec.job_id, wid)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
             kills.append({"t": time.monotonic() - t0, "rank": rank, "worker": wid, "generation": plan.generation,

@@ -31,6 +31,7 @@ import dataclasses
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,9 @@ from hotspare.launch import ABORT_EXIT_CODE  # noqa: E402
 from hotspare.testing import faults as catalogue  # noqa: E402
 
 FRAMEWORKS = ("zero1", "zero2", "zero3", "megatron")
+HOST_FAULTS = ("cut", "slow", "node")
+SLOW_MBIT = 20.0
+"""The slow link's rate: a step's collectives and mirror copy take about a second on it."""
 TARGETS = ("first", "middle", "last", "spare")
 OUTCOMES = ("recovered", "fell_back", "stopped_cleanly", "wrong", "hung", "crashed")
 ACCEPTABLE = ("recovered", "fell_back", "stopped_cleanly")
@@ -79,6 +83,17 @@ class FaultMatrixConfig(gpt_job.GPTJobConfig):
     """A case still running after this is ``hung`` (its processes are killed)."""
     docs: str = ""
     """Also write the markdown table here (e.g. docs/faults.md); empty: no table."""
+    hosts: bool = False
+    """Real hosts: each logical node's launcher in a network namespace of its own (its own address,
+    a switch between them; needs root and iproute2, skipped with the reason otherwise), and the
+    host faults (``host_faults``) instead of the catalogue's."""
+    host_faults: list[str] = field(default_factory=lambda: list(HOST_FAULTS))
+    """cut (host 1's link down: a partition), slow (host 1's link rate-limited so mirror transfers
+    miss the in-flight window, then a rank of it killed), node (every process of host 1 killed)."""
+    host_fault_after_s: float = 4.0
+    """Seconds after training started that the host fault strikes."""
+    node_timeout_s: float = 3.0
+    """hotspare-run's --node-timeout-s in the hosts mode."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,6 +104,12 @@ class FaultMatrixConfig(gpt_job.GPTJobConfig):
                     raise ConfigError(f"{key}: {v!r} is not one of {', '.join(allowed)}")
         for case in self.cases:
             parse_case(case)
+        for f in self.host_faults:
+            if f not in HOST_FAULTS:
+                raise ConfigError(f"host_faults: {f!r} is not one of {', '.join(HOST_FAULTS)}")
+        if self.hosts and self.parallel.logical_nodes != 2:
+            raise ConfigError(f"hosts=true runs 2 hosts: parallel.logical_nodes must be 2, not "
+                              f"{self.parallel.logical_nodes}")
         if self.fault_step < 1 or self.fault_step + 2 > self.train.steps:
             raise ConfigError(f"fault_step={self.fault_step} must be >= 1 and leave two steps after it "
                               f"(train.steps={self.train.steps})")
@@ -178,6 +199,141 @@ def stop(proc: subprocess.Popen, job_id: str) -> None:
             pass
 
 
+def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_s: float, fault: str = "",
+                 after_s: float = 0.0) -> tuple[int | None, str, dict]:
+    """The job on two hosts (network namespaces), one hotspare-run each (``--nnodes 2``); ``fault``
+    (cut, slow, node) strikes host 1 ``after_s`` seconds after training started. Returns node 0's
+    exit code (None: hung), its output's end, and what happened on host 1."""
+    from hotspare.testing.netns import Hosts
+
+    worker = gpt_job.MEGATRON_WORKER if job.framework == "megatron" else os.path.join(RECIPES, "recovery_worker.py")
+    base = gpt_job.launch_spec(job, out_dir, worker=worker, spares_per_node=spares, mode="hotspare")
+    per_node = job.parallel.num_ranks // 2
+    info: dict = {}
+    with Hosts(2) as hosts:
+        procs, logs = [], []
+        for i in range(2):
+            spec = dataclasses.replace(base, nnodes=2, node_rank=i, nproc_per_node=per_node, logical_nodes=1,
+                                       master_addr=hosts.addr(0), master_port=29400, job_id=f"hosts{os.getpid()}",
+                                       node_timeout_s=node_timeout_s)
+            logs.append(open(os.path.join(out_dir, f"launcher{i}.log"), "w", encoding="utf-8"))
+            argv = hosts.run(i, ["env", *[f"{k}={v}" for k, v in spec.extra_env.items()], sys.executable, "-m",
+                                 "hotspare.launch", *spec.to_argv()])
+            procs.append(subprocess.Popen(argv, stdout=logs[-1], stderr=subprocess.STDOUT))
+            if i == 0:
+                time.sleep(1.0)  # node 0 opens the store first
+        t0 = time.monotonic()
+        try:
+            if fault:
+                events = os.path.join(out_dir, "events")
+                while time.monotonic() - t0 < timeout_s and procs[0].poll() is None and not training_started(events):
+                    time.sleep(0.2)
+                time.sleep(after_s)
+                info["fault_at_s"] = time.monotonic() - t0
+                if fault == "cut":
+                    hosts.cut(1)
+                elif fault == "node":
+                    for pid in hosts.host_pids(1):
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                elif fault == "slow":
+                    # Everything host 1 sends or receives (collectives too) crawls; the mirror's
+                    # transfers miss the in-flight window (the next step waits: mirror_wait
+                    # events). Then a rank of host 1 dies mid-crawl, and the link comes back.
+                    info["qdisc"] = hosts.slow(1, SLOW_MBIT)
+                    time.sleep(after_s)
+                    victim = pid_of(f"hosts{os.getpid()}", f"a{job.parallel.num_ranks - 1}")
+                    if victim is not None:
+                        os.kill(victim, signal.SIGKILL)
+                    time.sleep(after_s)
+                    hosts.unslow(1)
+            code = procs[0].wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            code = None
+        for p in procs[1:]:
+            try:
+                info["host1_exit"] = p.wait(timeout=node_timeout_s * 4 + 30)
+            except subprocess.TimeoutExpired:
+                info["host1_exit"] = None
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    tail = open(os.path.join(out_dir, "launcher0.log"), encoding="utf-8", errors="replace").read()[-4000:]
+    return code, tail, info
+
+
+def training_started(events_dir: str) -> bool:
+    """Some rank started mirroring (it is past ``initialize``: the job trains)."""
+    if not os.path.isdir(events_dir):
+        return False
+    for name in os.listdir(events_dir):
+        with open(os.path.join(events_dir, name), encoding="utf-8") as f:
+            if '"kind": "mirror_start"' in f.read():
+                return True
+    return False
+
+
+def _count_events(events_dir: str, kind: str) -> int:
+    if not os.path.isdir(events_dir):
+        return 0
+    return sum(f'"kind": "{kind}"' in line for name in os.listdir(events_dir)
+               for line in open(os.path.join(events_dir, name), encoding="utf-8"))
+
+
+def pid_of(job_id: str, worker: str) -> int | None:
+    """The process of worker ``worker`` of job ``job_id`` (None when there is none)."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            e = p.environ()
+            if e.get("HOTSPARE_JOB_ID") == job_id and e.get("HOTSPARE_WORKER_ID") == worker:
+                return p.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def hosts_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[dict]:
+    """The host faults on two network-namespace hosts, per framework; [] with a message when
+    namespaces cannot be made here."""
+    from hotspare.testing.netns import available
+
+    ok, why = available()
+    if not ok:
+        print(f"fault_matrix: hosts mode skipped: {why}", flush=True)
+        return []
+    rows, world = [], matrix.parallel.num_ranks
+    for framework in matrix.frameworks:
+        job = framework_job(data, framework)
+        ref_dir = os.path.join(run_dir, f"hosts-uninterrupted-{framework}")
+        os.makedirs(ref_dir, exist_ok=True)
+        code, tail, _ = run_on_hosts(job, ref_dir, 0, matrix.case_timeout_s, matrix.node_timeout_s)
+        ref = ranks_of(ref_dir)
+        if code != 0 or sorted(ref) != list(range(world)):
+            sys.exit(f"fault_matrix: the uninterrupted {framework} run on two hosts failed (exit {code}):\n{tail}")
+        for fault in matrix.host_faults:
+            out_dir = os.path.join(run_dir, f"hosts-{framework}-{fault}")
+            os.makedirs(out_dir, exist_ok=True)
+            t0 = time.monotonic()
+            code, tail, info = run_on_hosts(job, out_dir, matrix.spares, matrix.case_timeout_s,
+                                            matrix.node_timeout_s, fault, matrix.host_fault_after_s)
+            row = classify(code, tail, ranks_of(out_dir), ref, world)
+            info["mirror_waits"] = _count_events(os.path.join(out_dir, "events"), "mirror_wait")
+            row = {"case": f"hosts/{framework}/{fault}", "fault": f"host_{fault}", "phase": "any",
+                   "rank": "host 1", "framework": framework, **row, "seconds": time.monotonic() - t0,
+                   "exit_code": code, "dir": out_dir, **info}
+            rows.append(row)
+            print(f"hosts/{framework}/{fault}: {row['outcome']} (lost {row['lost_iterations']}, recovery "
+                  f"{row['recovery_s']}, host 1 exit {info.get('host1_exit')}) {row['note']}", flush=True)
+    return rows
+
+
 def ranks_of(out_dir: str) -> dict[int, dict]:
     out = {}
     for path in glob.glob(os.path.join(out_dir, "rank*.json")):
@@ -259,9 +415,9 @@ def main(cfg) -> None:
     matrix = from_mapping(FaultMatrixConfig, data)
     run_dir = HydraConfig.get().runtime.output_dir
     world, per_node = matrix.parallel.num_ranks, matrix.parallel.num_ranks // matrix.parallel.logical_nodes
-    cases = matrix.cases or product(matrix, world, per_node)
+    cases = [] if matrix.hosts else (matrix.cases or product(matrix, world, per_node))
     refs: dict[str, dict] = {}
-    rows = []
+    rows = hosts_mode(matrix, data, run_dir) if matrix.hosts else []
     for i, case in enumerate(cases):
         framework, faults = parse_case(case)
         job = framework_job(data, framework)

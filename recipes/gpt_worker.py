@@ -28,16 +28,11 @@ import hotspare
 from hotspare.env import make_deterministic
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
 from hotspare.snapshot import read_meta
+from hotspare.testing import digest
 from hotspare.testing.data import ByteSampler, load_corpus
 from hotspare.testing.gpt import GPT, GPTConfig
 from hotspare.worker import worker_id
 
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def snapshot_digest(layout, buf) -> str:

@@ -18,7 +18,6 @@ T_PROCESS = time.monotonic()  # before the imports: a restart pays for them too
 
 import argparse  # noqa: E402
 import glob  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -35,16 +34,11 @@ from hotspare.env import make_deterministic  # noqa: E402
 from hotspare.integrations import megatron  # noqa: E402
 from hotspare.testing import faults as catalogue  # noqa: E402
 from hotspare.testing import mcore_gpt  # noqa: E402
+from hotspare.testing import digest  # noqa: E402
 from hotspare.testing.data import ByteSampler, load_corpus  # noqa: E402
 from hotspare.testing.gpt import GPTConfig  # noqa: E402
 from hotspare.worker import role, worker_id  # noqa: E402
 
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> int:

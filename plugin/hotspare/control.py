@@ -63,8 +63,9 @@ class Failure:
     code: int
     """Exit code (negative: killed by that signal)."""
     reason: str
-    """'exit' (the process ended), 'heartbeat' (it stopped beating and was killed) or 'watchdog'
-    (its peers' collectives timed out waiting for it while it kept beating; killed)."""
+    """'exit' (the process ended), 'heartbeat' (it stopped beating and was killed), 'watchdog'
+    (its peers' collectives timed out waiting for it while it kept beating; killed) or 'node' (its
+    node's launcher stopped beating: the node is down or cut off, and fences itself)."""
     wall_time: float
     """time.time() when the launcher saw it (fault-to-detection is measured from here backwards)."""
     detect_s: float = 0.0

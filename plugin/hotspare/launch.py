@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ from . import control, env, identity, keeper
 POLL_INTERVAL_S = 0.02
 ABORT_EXIT_CODE = 3
 """Exit code when a worker found the job unrecoverable (``control.ABORT``): state was lost."""
+FENCED_EXIT_CODE = 4
+"""Exit code of a launcher that lost the control store for ``node_timeout_s`` and stopped its
+workers (partitioned from node 0, or node 0 died)."""
 
 
 @dataclass
@@ -75,6 +79,10 @@ class LaunchSpec:
     """Added to every worker's environment."""
     keeper: bool = True
     """Start a keeper per (logical) node (off: ranks retain nothing outside their processes)."""
+    node_timeout_s: float = 10.0
+    """Several launchers (``--nnodes`` > 1): each beats ``node/<n>/hb`` in the store; node 0
+    declares a node lost (every rank on it failed) when its beat is this stale, and a launcher
+    that cannot reach the store this long stops its own workers and exits (fencing)."""
     advertise_addr: str = ""
     """This node's address for the workers' collectives (gloo, NCCL's bootstrap); empty: the
     address this machine reaches ``master_addr`` from. Logged at start."""
@@ -85,7 +93,8 @@ class LaunchSpec:
         argv = [f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", f"--node-rank={self.node_rank}",
                 f"--master-addr={self.master_addr}", f"--master-port={self.master_port}",
                 f"--logical-nodes={self.logical_nodes}", f"--spares-per-node={self.spares_per_node}",
-                f"--store-timeout={self.store_timeout_s}", f"--stall-grace-s={self.stall_grace_s}"]
+                f"--store-timeout={self.store_timeout_s}", f"--stall-grace-s={self.stall_grace_s}",
+                f"--node-timeout-s={self.node_timeout_s}"]
         if self.job_id:
             argv.append(f"--job-id={self.job_id}")
         if not self.keeper:
@@ -114,6 +123,8 @@ class LaunchSpec:
             raise ValueError(f"--spares-per-node={self.spares_per_node} must be >= 0")
         if not self.stall_grace_s > 0:
             raise ValueError(f"--stall-grace-s={self.stall_grace_s} must be > 0")
+        if not self.node_timeout_s > 0:
+            raise ValueError(f"--node-timeout-s={self.node_timeout_s} must be > 0")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required when --nnodes > 1 (every launcher must find the store)")
         if not self.script:
@@ -189,6 +200,9 @@ class Launcher:
         self._killed: set[str] = set()
         self._prepared: dict[int, str] = {}  # rank -> spare told to build its engine (coordinator)
         self.keepers: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
+        self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat, when it last moved) (node 0)
+        self._lost_nodes: set[int] = set()
+        self._beat_stop = threading.Event()
 
     @property
     def world_size(self) -> int:
@@ -218,6 +232,88 @@ class Launcher:
         listener.detach()  # the store owns the descriptor now and closes it when it goes
         self.store.set(identity.JOB_KEY, self.job_id)
         return self.store.port
+
+    def _beat(self) -> None:
+        """Nodes other than 0: beat ``node/<n>/hb`` (an add: the store's reply proves it arrived)
+        over a connection of its own, and fence when the store has been out of reach too long.
+        A call to a store behind a cut link can block for a long time, so a watch thread of its
+        own measures the silence."""
+        from .generation import connect_store
+
+        s = self.spec
+        key, interval = f"node/{s.node_rank}/hb", max(0.1, s.node_timeout_s / 10)
+        self._beat_ok = time.monotonic()
+
+        def watch() -> None:
+            while not self._beat_stop.wait(interval):
+                silent = time.monotonic() - self._beat_ok
+                if silent > s.node_timeout_s:
+                    self._fence(silent)
+
+        threading.Thread(target=watch, name="hotspare-node-fence", daemon=True).start()
+        store = None
+        while not self._beat_stop.wait(interval):
+            try:
+                if store is None:
+                    store = connect_store(s.master_addr, s.master_port, s.node_timeout_s)
+                store.add(key, 1)
+                self._beat_ok = time.monotonic()
+            except Exception:  # noqa: BLE001 - any failure to reach the store counts as silence
+                store = None
+
+    def _fence(self, silent_s: float) -> None:
+        """This node lost the control store: stop every worker and keeper of this node, so that
+        nothing acts on a stale view of the job (node 0 has declared this node lost and given its
+        ranks to spares by now), and exit with FENCED_EXIT_CODE."""
+        _log(f"node {self.spec.node_rank} cannot reach the control store at {self.spec.master_addr}:"
+             f"{self.spec.master_port} for {silent_s:.1f} s (partitioned from node 0, or node 0 is down): "
+             f"stopping this node's workers (fenced), exit code {FENCED_EXIT_CODE}")
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                _signal_group(w.proc, signal.SIGKILL)
+        for k in self.keepers.values():
+            k.terminate()  # the keeper removes its segments
+        for k in self.keepers.values():
+            try:
+                k.wait(timeout=self.spec.term_grace_s)
+            except subprocess.TimeoutExpired:
+                k.kill()
+        os._exit(FENCED_EXIT_CODE)
+
+    def _check_nodes(self) -> None:
+        """Node 0: a node whose launcher stopped beating for ``node_timeout_s`` is lost; every rank
+        it held fails (reason 'node') and its spares are given up. A node is watched from its
+        first beat on (launchers may start minutes apart under a scheduler)."""
+        if self.spec.nnodes == 1:
+            return
+        now = time.monotonic()
+        for n in range(1, self.spec.nnodes):
+            if n in self._lost_nodes:
+                continue
+            beat = int(self.store.add(f"node/{n}/hb", 0))
+            seen = self._node_beats.get(n)
+            if beat > 0 and (seen is None or beat != seen[0]):
+                self._node_beats[n] = (beat, now)
+            elif seen is not None and now - seen[1] > self.spec.node_timeout_s:
+                self._lose_node(n, now - seen[1])
+
+    def _lose_node(self, node: int, silent_s: float) -> None:
+        self._lost_nodes.add(node)
+        self._spares = [sp for sp in self._spares if sp[1] != node]
+        plan = self._current_plan()
+        lost = sorted((int(r), wid) for r, wid in plan.workers.items() if self._node_of_worker(wid) == node)
+        _log(f"node {node} lost: its launcher has not beaten for {silent_s:.1f} s (down, or cut off from node 0); "
+             f"its rank(s) {[r for r, _ in lost]} fail")
+        for rank, wid in lost:
+            failure = control.Failure(worker=wid, rank=rank, code=-signal.SIGKILL, reason="node",
+                                      wall_time=time.time(), detect_s=silent_s)
+            control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
+
+    def _node_of_worker(self, wid: str) -> int:
+        """The (logical) node a worker runs on: an active rank's start node, a spare's own."""
+        if wid.startswith("s"):
+            return int(wid[1:].split(".")[0])
+        return self._node_of_rank(int(wid[1:]))
 
     def _advertise(self) -> None:
         """The address this node's workers talk from, and its interface: gloo (and NCCL's
@@ -298,6 +394,8 @@ class Launcher:
         env.configure_accelerator()
         self.port = self._open_store()
         self._advertise()
+        if self.spec.node_rank != 0:
+            threading.Thread(target=self._beat, name="hotspare-node-heartbeat", daemon=True).start()
         _log(f"job {self.job_id}: node {self.spec.node_rank}/{self.spec.nnodes}, {self.spec.nproc_per_node} "
              f"workers + {self.spec.spares_per_node} spare(s) per node, store {self.spec.master_addr}:{self.port}")
         if self.spec.keeper:
@@ -415,6 +513,7 @@ class Launcher:
 
     def _coordinate(self) -> None:
         """Node 0 only: turn reported failures into the next generation's plan."""
+        self._check_nodes()
         for text in control.read_list(self.store, control.SPARE_COUNT, "spare/", self._spare_read):
             self._spare_read += 1
             wid, node = json.loads(text)
@@ -502,7 +601,7 @@ class Launcher:
 
     def _ready_spares(self) -> list[tuple[str, int]]:
         """Registered spares that wait for an order (imports done, model built)."""
-        return [s for s in self._spares if self.store.check([f"ready/{s[0]}"])]
+        return [s for s in self._spares if s[1] not in self._lost_nodes and self.store.check([f"ready/{s[0]}"])]
 
     def _find_stalled(self) -> None:
         """Survivors left the current generation but no launcher reported a failure: a rank is stuck
@@ -576,6 +675,7 @@ class Launcher:
             time.sleep(limit)
 
     def close(self) -> None:
+        self._beat_stop.set()
         self.stop(signal.SIGKILL)
         for w in self.workers.values():
             w.finish()
@@ -683,6 +783,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
                         "killed as stuck")
     p.add_argument("--no-keeper", action="store_true",
                    help="start no keeper (ranks retain nothing outside their own processes)")
+    p.add_argument("--node-timeout-s", type=float, default=10.0,
+                   help="with --nnodes > 1: node 0 declares a node lost when its launcher is silent this long, "
+                        "and a launcher cut off from the store this long stops its workers")
     p.add_argument("--advertise-addr", default="",
                    help="this node's address for the workers' collectives (default: the one that reaches "
                         "--master-addr); its interface becomes GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME")
@@ -701,7 +804,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
                       master_addr=addr, master_port=port, logical_nodes=a.logical_nodes,
                       spares_per_node=a.spares_per_node, job_id=a.job_id,
                       store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s, keeper=not a.no_keeper,
-                      advertise_addr=a.advertise_addr)
+                      advertise_addr=a.advertise_addr, node_timeout_s=a.node_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

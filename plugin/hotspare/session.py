@@ -82,6 +82,22 @@ class Session:
     _retired: list = field(default_factory=list)
     """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
 
+    def __post_init__(self) -> None:
+        if self.heartbeat is not None and not self.spare:
+            self.heartbeat.watch(self.generation.index, self._superseded)
+
+    def _superseded(self) -> None:
+        """The heartbeat thread saw the next generation's plan while this worker still trains in
+        the current one: a peer was given up without a broken socket (a lost or partitioned node).
+        Whatever collective the training thread waits in raises now instead of at its timeout."""
+        log(f"rank {self.generation.rank}: the coordinator planned generation {self.generation.index + 1}; "
+            f"leaving generation {self.generation.index} now")
+        try:
+            abort_nccl([r.group for r in self.host_groups()])
+        except Exception:  # noqa: BLE001 - best effort from another thread; the sockets are next
+            pass
+        break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+
     # ---- the training-loop API ---------------------------------------------------------------
 
     def step_count(self) -> int:
@@ -132,6 +148,8 @@ class Session:
                                 f"{cfg.max_recoveries}: stopping (a failure that keeps recurring is not transient)") \
                 from error
         t0 = time.monotonic()
+        if self.heartbeat is not None:
+            self.heartbeat.watch(None)
         failed_at = self.step_count()
         self.events("failure_seen", version=failed_at, error=str(error)[:500],
                     error_type=type(error).__name__, timed_out=is_timeout(error))
@@ -271,6 +289,8 @@ class Session:
             retained.hand_over(version) if retained is not None else self._inherit_kept(version)))
         self._drop_kept()
         phases["total_s"] = time.monotonic() - t0
+        if self.heartbeat is not None:
+            self.heartbeat.watch(gen.index, self._superseded)
         summary = {"generation": gen.index, "version": version, "replaced": plan.replaced,
                    "failures": plan.failures, **phases}
         self.recoveries.append(summary)

@@ -43,15 +43,34 @@ class Heartbeat:
         self._store.set(f"hb/{wid}/timeout", str(timeout_s))
         self._beat = 0
         self._store.set(f"hb/{wid}", "0")
+        self._lock = threading.Lock()
+        self._watching: int | None = None
+        self._on_superseded = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"hotspare-heartbeat-{wid}", daemon=True)
         self._thread.start()
+
+    def watch(self, generation: int | None, on_superseded=None) -> None:
+        """While this worker trains in ``generation``, call ``on_superseded()`` (from this thread)
+        as soon as the coordinator's plan for the next one appears: the coordinator has given up
+        a peer (its node was lost, say) that this worker may be blocked on in a collective whose
+        sockets will not break by themselves (a partition sends no reset). None: stop watching
+        (the worker is recovering)."""
+        with self._lock:
+            self._watching, self._on_superseded = generation, on_superseded
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._beat += 1
             try:
                 self._store.set(f"hb/{self.wid}", str(self._beat))
+                g = self._watching
+                if g is not None and self._store.check([f"plan/{g + 1}"]):
+                    with self._lock:
+                        if self._watching == g:  # not recovering already
+                            self._watching = None
+                            if self._on_superseded is not None:
+                                self._on_superseded()
             except Exception:  # noqa: BLE001 - the launcher is gone: nobody is listening
                 return
 

@@ -4,7 +4,6 @@ DeepSpeed holds to new groups (hotspare.rebuild) and trains on. Writes the per-s
 and digests, and what the rebuild found, to OUT/rank<R>.json."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -16,14 +15,9 @@ import hotspare
 from hotspare import rebuild
 from hotspare.generation import Generation, join, leave
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
+from hotspare.testing import digest
 from tiny import tiny_model_and_config
 
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def main(stage: int, mode: str, out: str) -> None:
