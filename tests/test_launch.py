@@ -216,3 +216,49 @@ def test_the_coordinator_plans_once_every_worker_is_accounted_for_not_before():
     coordinator._coordinate()
     plan = control.Plan.from_json(store.get("plan/1"))
     assert plan.replaced == {"1": "s0.0"} and store.get("order/s0.0") == b"1"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_with_spare_wait_the_job_waits_for_a_replacement_node_that_brings_spares(tmp_path, no_leaks):
+    """More failures than spares, configured to wait: the coordinator waits (saying how to bring
+    spares) until a launcher started later with --spares-only registers one, which takes the rank."""
+    script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    port = _free_port()
+    env = {**os.environ, "FAIL_a1": "exit", "RUN_S": "10"}
+    log = tmp_path / "job.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--master-port",
+                                str(port), "--spare-wait-s", "60", "--job-id", "waitjob", script, str(tmp_path)],
+                               env=env, stderr=out, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting up to" not in log.read_text():  # rank 1 failed and nothing can replace it
+            assert job.poll() is None, "the job stopped instead of waiting for a spare: " + log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        joiner = subprocess.run([sys.executable, "-m", "hotspare.launch", "--spares-only", "--node-rank", "1",
+                                 "--spares-per-node", "1", "--master-port", str(port), "--job-id", "waitjob", script,
+                                 str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+        job.wait(timeout=120)
+    finally:
+        job.kill()
+        job.wait()
+    err = log.read_text()
+    assert job.returncode == 0 and joiner.returncode == 0, err[-2000:] + joiner.stderr[-2000:]
+    assert "waiting up to 60 s for more" in err and "--spares-only" in err
+    took = json.loads((tmp_path / "took.s1.0").read_text())
+    assert took["rank"] == 1 and took["failures"][0]["worker"] == "a1"
+    assert (tmp_path / "done.a0").exists()
+
+
+def test_spares_only_needs_a_new_node_index_and_the_jobs_store():
+    with pytest.raises(ValueError, match="--spares-only joins a running job as a new node"):
+        launch.LaunchSpec(script=["x.py"], spares_only=True, spares_per_node=1, master_port=5).validate()
+    launch.LaunchSpec(script=["x.py"], spares_only=True, node_rank=1, spares_per_node=1, master_port=5).validate()

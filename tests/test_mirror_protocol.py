@@ -366,3 +366,42 @@ def test_a_stripe_round_leaves_shares_that_rebuild_every_source_without_its_node
     finally:
         for mm in mirrors:
             mm.close()
+
+
+def test_the_next_generation_keeps_the_copies_of_the_landing_version_until_its_first_round():
+    """After a recovery lands on version V, each holder's copy of V goes over to the new mirror
+    (a failure right after the recovery still finds every rank's state on another node); a copy of
+    a later version, from the timeline the job rolled back from, does not."""
+    fabric, holders, mirrors = build(n=2)
+
+    def rounds(r, versions):
+        for v in versions:
+            m = mirrors[r]
+            state = make_state(r, v)
+            m.on_step(v, lambda: state, lambda: {"v": v})
+        mirrors[r].flush()
+
+    run_ranks(2, lambda r: rounds(r, range(1, 4)))  # copies of 3 committed, 2 kept as the previous
+    for m in mirrors:
+        assert m.stop()
+    old = mirrors
+    digests = [committed_digest(m, s) for m in old for s in m.sources]
+    inherited = [m.hand_over(3) for m in old]
+    assert all(set(i.copies) == set(m.sources) and all(c.version == 3 for c in i.copies.values())
+               for i, m in zip(inherited, old))
+    # The new generation's mirrors hold the copies of 3 before any round of theirs.
+    fabric = LocalFabric()
+    control = ThreadAllReduceMin(2)
+    new = [Mirror(r, 1, holders, fabric.endpoint(r), control, timeout_s=5, inherit=inherited[r]) for r in range(2)]
+    assert [new[r].holdings()[1] for r in range(2)] == [{s: frozenset({3}) for s in m.sources} for m in old]
+    assert [committed_digest(m, s) for m in new for s in m.sources] == digests
+    for m in new:
+        m.close()
+    # A holder that had committed version 4 (rolled back from) hands over only 3, from its previous copy.
+    fabric, holders, mirrors = build(n=2)
+    run_ranks(2, lambda r: rounds(r, range(1, 5)))
+    for m in mirrors:
+        m.stop()
+    copies = mirrors[0].hand_over(3).copies
+    assert {s: c.version for s, c in copies.items()} == {s: 3 for s in mirrors[0].sources}
+    assert all(c.previous_version == NO_VERSION for c in copies.values())

@@ -79,6 +79,13 @@ class LaunchSpec:
     """Added to every worker's environment."""
     keeper: bool = True
     """Start a keeper per (logical) node (off: ranks retain nothing outside their processes)."""
+    spares_only: bool = False
+    """Join a running job with spares only (no active ranks): a replacement node, started with a
+    ``--node-rank`` the job does not use yet (at least ``--nnodes``) and the job's store address."""
+    spare_wait_s: float = 0.0
+    """When more ranks fail than spares are ready: 0 stops the job cleanly (naming the spares it
+    needed); more waits this long for spares to register first (still starting, or brought by a
+    ``--spares-only`` launcher on a replacement node), then stops."""
     node_timeout_s: float = 10.0
     """Several launchers (``--nnodes`` > 1): each beats ``node/<n>/hb`` in the store; node 0
     declares a node lost (every rank on it failed) when its beat is this stale, and a launcher
@@ -94,7 +101,9 @@ class LaunchSpec:
                 f"--master-addr={self.master_addr}", f"--master-port={self.master_port}",
                 f"--logical-nodes={self.logical_nodes}", f"--spares-per-node={self.spares_per_node}",
                 f"--store-timeout={self.store_timeout_s}", f"--stall-grace-s={self.stall_grace_s}",
-                f"--node-timeout-s={self.node_timeout_s}"]
+                f"--node-timeout-s={self.node_timeout_s}", f"--spare-wait-s={self.spare_wait_s}"]
+        if self.spares_only:
+            argv.append("--spares-only")
         if self.job_id:
             argv.append(f"--job-id={self.job_id}")
         if not self.keeper:
@@ -110,8 +119,15 @@ class LaunchSpec:
     def validate(self) -> None:
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node={self.nproc_per_node} must be at least 1")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        if self.spares_only:
+            if self.node_rank < self.nnodes or self.spares_per_node < 1 or self.master_port == 0:
+                raise ValueError(f"--spares-only joins a running job as a new node: it needs --node-rank >= "
+                                 f"--nnodes={self.nnodes} (got {self.node_rank}), --spares-per-node >= 1 (got "
+                                 f"{self.spares_per_node}) and the job's --master-addr/--master-port")
+        elif self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank={self.node_rank} must be in [0, --nnodes={self.nnodes})")
+        if self.spare_wait_s < 0:
+            raise ValueError(f"--spare-wait-s={self.spare_wait_s} must be >= 0")
         if self.logical_nodes < 1:
             raise ValueError(f"--logical-nodes={self.logical_nodes} must be at least 1")
         if self.logical_nodes > 1 and self.nnodes > 1:
@@ -202,6 +218,7 @@ class Launcher:
         self.keepers: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
         self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat, when it last moved) (node 0)
         self._lost_nodes: set[int] = set()
+        self._waiting_for_spares = False
         self._beat_stop = threading.Event()
 
     @property
@@ -284,10 +301,12 @@ class Launcher:
         """Node 0: a node whose launcher stopped beating for ``node_timeout_s`` is lost; every rank
         it held fails (reason 'node') and its spares are given up. A node is watched from its
         first beat on (launchers may start minutes apart under a scheduler)."""
-        if self.spec.nnodes == 1:
+        # Every launched node but this one, and any node that brought spares (a replacement).
+        nodes = set(range(1, self.spec.nnodes)) | {n for _, n in self._spares if n >= self.spec.nnodes}
+        if not nodes or self.spec.logical_nodes > 1:
             return
         now = time.monotonic()
-        for n in range(1, self.spec.nnodes):
+        for n in sorted(nodes):
             if n in self._lost_nodes:
                 continue
             beat = int(self.store.add(f"node/{n}/hb", 0))
@@ -401,7 +420,9 @@ class Launcher:
         if self.spec.keeper:
             for node in self._local_nodes():
                 self.keepers[node] = keeper.start(self.job_id, node, keeper.socket_path(self.job_id, node))
-        for local_rank in range(self.spec.nproc_per_node):
+        if self.spec.spares_only:
+            _log(f"node {self.spec.node_rank} joins job {self.job_id} with {self.spec.spares_per_node} spare(s) only")
+        for local_rank in range(0 if self.spec.spares_only else self.spec.nproc_per_node):
             self._start_active(local_rank)
         for node in self._local_nodes():
             for _ in range(self.spec.spares_per_node):
@@ -558,6 +579,17 @@ class Launcher:
             # Enough spares exist but some are still starting (imports, model build): wait for them.
             self._pending = failures + self._pending
             return
+        if choice is None and time.monotonic() - self._pending_since < self.spec.spare_wait_s:
+            # Configured to wait for spares: from a replacement node (hotspare-run --spares-only).
+            if not self._waiting_for_spares:
+                self._waiting_for_spares = True
+                _log(f"{len(dead)} rank(s) need a spare and {len(ready)} are ready: waiting up to "
+                     f"{self.spec.spare_wait_s:.0f} s for more (start `hotspare-run --spares-only --node-rank "
+                     f"<new index> --spares-per-node N --master-addr {self.spec.master_addr} --master-port "
+                     f"{self.port} ...` on a replacement node)")
+            self._pending = failures + self._pending
+            return
+        self._waiting_for_spares = False
         if choice is None:
             lost = ", ".join(f"rank {f.rank} ({_describe(f.code) if f.reason == 'exit' else 'hung'})"
                              for f in failures)
@@ -653,6 +685,9 @@ class Launcher:
                 self.stop()
                 return self.exit_code
             active = [w for w in self.workers.values() if w.rank >= 0 and not _failed(w)]
+            if not active and self.spec.spares_only and self.store.check(["shutdown"]) and \
+                    all(w.proc.poll() is not None for w in self.workers.values()):
+                return 0  # a replacement node whose spares were not needed: released at the end
             if active and all(w.proc.poll() == 0 for w in active):
                 # Training finished: release the spares (they wait for an order or this key).
                 self.store.set("shutdown", "1")
@@ -783,6 +818,12 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
                         "killed as stuck")
     p.add_argument("--no-keeper", action="store_true",
                    help="start no keeper (ranks retain nothing outside their own processes)")
+    p.add_argument("--spares-only", action="store_true",
+                   help="join a running job as a replacement node that brings spares only (--node-rank >= "
+                        "--nnodes, the job's --master-addr/--master-port)")
+    p.add_argument("--spare-wait-s", type=float, default=0.0,
+                   help="when more ranks fail than spares are ready, wait this long for spares (e.g. from a "
+                        "--spares-only launcher) before stopping the job; 0: stop at once")
     p.add_argument("--node-timeout-s", type=float, default=10.0,
                    help="with --nnodes > 1: node 0 declares a node lost when its launcher is silent this long, "
                         "and a launcher cut off from the store this long stops its workers")
@@ -804,7 +845,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
                       master_addr=addr, master_port=port, logical_nodes=a.logical_nodes,
                       spares_per_node=a.spares_per_node, job_id=a.job_id,
                       store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s, keeper=not a.no_keeper,
-                      advertise_addr=a.advertise_addr, node_timeout_s=a.node_timeout_s)
+                      advertise_addr=a.advertise_addr, node_timeout_s=a.node_timeout_s, spares_only=a.spares_only,
+                      spare_wait_s=a.spare_wait_s)
 
 
 def main(argv: list[str] | None = None) -> int:

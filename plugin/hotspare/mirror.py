@@ -133,6 +133,10 @@ class Inherited:
     snapshots: Snapshots
     versions: list[int]
     """The version each buffer holds (NO_VERSION: free to overwrite)."""
+    copies: dict[int, Copy] = field(default_factory=dict)
+    """Full copies of other ranks' state at the landing version that this rank held: kept until
+    the new generation's first round replaces them, so that a failure right after a recovery
+    (before that round commits) still finds every rank's state on another node."""
 
 
 class PrivateSnapshots(Snapshots):
@@ -198,6 +202,8 @@ class Mirror:
         if inherit is not None:
             inherit.snapshots.thaw()
             self._adopt(inherit.layout, inherit.snapshots, inherit.versions)
+            if self.stripe is None:
+                self.copies.update({s: c for s, c in inherit.copies.items() if s in self.copies})
         self.global_committed = NO_VERSION
         self._commit_lock = threading.Lock()
         self.error: BaseException | None = None
@@ -320,9 +326,25 @@ class Mirror:
         for slot, v in enumerate(versions):
             if v == NO_VERSION:
                 self.snapshots.begin(slot)
-        out = Inherited(self.layout, self.snapshots, versions)
+        out = Inherited(self.layout, self.snapshots, versions, self._copies_of(keep))
         self.layout, self.snapshots, self._own, self._own_views = None, None, [], []
         self._own_version = [NO_VERSION, NO_VERSION]
+        return out
+
+    def _copies_of(self, keep: int) -> dict[int, Copy]:
+        """The full copies this rank holds of version ``keep``, each as a copy committed at ``keep``
+        with nothing else in it (a later version a survivor had committed is of a timeline the job
+        just rolled back from: it must never be reported again)."""
+        if self.stripe is not None:
+            return {}
+        out = {}
+        for src, c in self.copies.items():
+            if c.version == keep and c.committed is not None:
+                out[src] = Copy(committed=c.committed, incoming=c.incoming, version=keep,
+                                committed_header=c.committed_header)
+            elif c.previous_version == keep and c.incoming is not None and c.previous_header is not None:
+                out[src] = Copy(committed=c.incoming, incoming=c.committed, version=keep,
+                                committed_header=c.previous_header)
         return out
 
     def own_snapshot(self, version: int) -> torch.Tensor | None:
@@ -435,6 +457,8 @@ class Mirror:
         self._rounds.put(None)
         self._thread.join(timeout=self.timeout_s + 5)
         self.transport.close()
+        for slot in (0, 1):  # no device-to-host copy may still be writing into a buffer let go of
+            self._copy_landed(slot)
         if self.snapshots is not None:
             self.snapshots.close()
 
