@@ -72,10 +72,12 @@ def test_one_case_of_each_fault_kind_ends_acceptably(tmp_path, no_leaks):
         assert r["outcome"] in ("recovered", "fell_back", "stopped_cleanly"), (case, r["outcome"], r["note"])
         if r["outcome"] == "recovered":
             assert r["bitwise_identical"] is True and r["lost_iterations"] <= 1, (case, r)
-    # One spare per node cannot replace a whole node's two ranks: the job stops, saying so.
-    assert rows["zero2/node@mirror:1:3"]["outcome"] == "stopped_cleanly"
-    assert "--spares-per-node >= 2" in rows["zero2/node@mirror:1:3"]["note"]
-    assert sum(r["outcome"] == "recovered" for r in rows.values()) == len(SUBSET) - 1
+    # One spare per node cannot replace a whole node's two ranks at once: the job stops, saying so,
+    # unless the lost node's spare was still reported alive at the first plan: then it is promoted,
+    # found dead, and the spare started after the other node's promotion takes its rank.
+    node = rows["zero2/node@mirror:1:3"]
+    assert node["outcome"] == "recovered" or "--spares-per-node >= 2" in node["note"], node
+    assert all(r["outcome"] == "recovered" for c, r in rows.items() if c != "zero2/node@mirror:1:3")
     assert report["summary"]["all_acceptable"] is True and proc.returncode == 0
     # The keeper's corrupted chunks were found by their checksums and the state came from the peers.
     events = [json.loads(line) for path in (tmp_path / "case001" / "events").glob("*.jsonl")
