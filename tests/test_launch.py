@@ -197,10 +197,13 @@ def test_the_coordinator_plans_once_every_worker_is_accounted_for_not_before():
     written at once when it has (every worker failed or left: nothing else can be coming)."""
     from hotspare import control
 
-    coordinator = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
-                                                    settle_s=30.0))
-    coordinator._open_store()
-    store = coordinator.store
+    from hotspare.coordinator import Coordinator
+
+    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
+                                                 settle_s=30.0))
+    launcher._open_store()
+    store = launcher.store
+    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
     control.append(store, control.SPARE_COUNT, "spare/", json.dumps(["s0.0", 0]))
     store.set("ready/s0.0", "1")
     control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
@@ -208,12 +211,12 @@ def test_the_coordinator_plans_once_every_worker_is_accounted_for_not_before():
     for wid, rank in (("a0", 0), ("a2", 2)):
         control.append(store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(
             control.Waiting(worker=wid, rank=rank, generation=0))))
-    coordinator._coordinate()
+    coordinator.step()
     assert not store.check(["plan/1"])  # rank 3 may still be failing: settle
     assert json.loads(store.get("prepare/s0.0"))["rank"] == 1  # the spare builds rank 1's engine meanwhile
     control.append(store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(
         control.Waiting(worker="a3", rank=3, generation=0))))
-    coordinator._coordinate()
+    coordinator.step()
     plan = control.Plan.from_json(store.get("plan/1"))
     assert plan.replaced == {"1": "s0.0"} and store.get("order/s0.0") == b"1"
 

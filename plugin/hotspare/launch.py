@@ -16,7 +16,6 @@ then removes every segment.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime
 import json
@@ -32,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import control, env, identity, keeper
+from .coordinator import Coordinator, describe_exit
 
 POLL_INTERVAL_S = 0.02
 ABORT_EXIT_CODE = 3
@@ -93,6 +93,16 @@ class LaunchSpec:
     advertise_addr: str = ""
     """This node's address for the workers' collectives (gloo, NCCL's bootstrap); empty: the
     address this machine reaches ``master_addr`` from. Logged at start."""
+
+    def node_of_rank(self, rank: int) -> int:
+        """The (logical) node a rank starts on."""
+        return rank // (self.nproc_per_node // self.logical_nodes)
+
+    def node_of_worker(self, wid: str) -> int:
+        """The (logical) node a worker runs on: an active rank's start node, a spare's own."""
+        if wid.startswith("s"):
+            return int(wid[1:].split(".")[0])
+        return self.node_of_rank(int(wid[1:]))
 
     def to_argv(self) -> list[str]:
         """hotspare-run's command line for this spec (``extra_env``, ``settle_s`` and
@@ -204,21 +214,9 @@ class Launcher:
         self.exit_code: int | None = None
         self._spare_counter: dict[int, int] = {}
         self._stopping = False
-        self._fail_read = 0
-        self._spare_read = 0
-        self._spares: list[tuple[str, int]] = []  # registered, not yet promoted (coordinator)
-        self._pending: list[control.Failure] = []
-        self._pending_since = 0.0
         self._kill_read = 0
-        self._wait_read = 0
-        self._waiting: dict[int, dict[str, control.Waiting]] = {}  # generation -> worker -> report
-        self._stall_since: float | None = None
-        self._killed: set[str] = set()
-        self._prepared: dict[int, str] = {}  # rank -> spare told to build its engine (coordinator)
         self.keepers: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
-        self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat, when it last moved) (node 0)
-        self._lost_nodes: set[int] = set()
-        self._waiting_for_spares = False
+        self.coordinator: Coordinator | None = None  # node 0 only
         self._beat_stop = threading.Event()
 
     @property
@@ -297,43 +295,6 @@ class Launcher:
                 k.kill()
         os._exit(FENCED_EXIT_CODE)
 
-    def _check_nodes(self) -> None:
-        """Node 0: a node whose launcher stopped beating for ``node_timeout_s`` is lost; every rank
-        it held fails (reason 'node') and its spares are given up. A node is watched from its
-        first beat on (launchers may start minutes apart under a scheduler)."""
-        # Every launched node but this one, and any node that brought spares (a replacement).
-        nodes = set(range(1, self.spec.nnodes)) | {n for _, n in self._spares if n >= self.spec.nnodes}
-        if not nodes or self.spec.logical_nodes > 1:
-            return
-        now = time.monotonic()
-        for n in sorted(nodes):
-            if n in self._lost_nodes:
-                continue
-            beat = int(self.store.add(f"node/{n}/hb", 0))
-            seen = self._node_beats.get(n)
-            if beat > 0 and (seen is None or beat != seen[0]):
-                self._node_beats[n] = (beat, now)
-            elif seen is not None and now - seen[1] > self.spec.node_timeout_s:
-                self._lose_node(n, now - seen[1])
-
-    def _lose_node(self, node: int, silent_s: float) -> None:
-        self._lost_nodes.add(node)
-        self._spares = [sp for sp in self._spares if sp[1] != node]
-        plan = self._current_plan()
-        lost = sorted((int(r), wid) for r, wid in plan.workers.items() if self._node_of_worker(wid) == node)
-        _log(f"node {node} lost: its launcher has not beaten for {silent_s:.1f} s (down, or cut off from node 0); "
-             f"its rank(s) {[r for r, _ in lost]} fail")
-        for rank, wid in lost:
-            failure = control.Failure(worker=wid, rank=rank, code=-signal.SIGKILL, reason="node",
-                                      wall_time=time.time(), detect_s=silent_s)
-            control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
-
-    def _node_of_worker(self, wid: str) -> int:
-        """The (logical) node a worker runs on: an active rank's start node, a spare's own."""
-        if wid.startswith("s"):
-            return int(wid[1:].split(".")[0])
-        return self._node_of_rank(int(wid[1:]))
-
     def _advertise(self) -> None:
         """The address this node's workers talk from, and its interface: gloo (and NCCL's
         bootstrap) are told to use it, so no collective traffic goes out another network."""
@@ -348,9 +309,6 @@ class Launcher:
         """(Logical) nodes of the job."""
         return self.spec.logical_nodes if self.spec.logical_nodes > 1 else self.spec.nnodes
 
-    def _node_of_rank(self, rank: int) -> int:
-        """The (logical) node a rank started on."""
-        return rank // (self.spec.nproc_per_node // self.spec.logical_nodes)
 
     def _local_nodes(self) -> list[int]:
         s = self.spec
@@ -388,7 +346,7 @@ class Launcher:
     def _start_active(self, local_rank: int) -> None:
         rank = self.spec.node_rank * self.spec.nproc_per_node + local_rank
         wid = control.active_id(rank)
-        node = self._node_of_rank(rank)
+        node = self.spec.node_of_rank(rank)
         worker_env = self._base_env(node)
         worker_env.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), env.HOTSPARE_ROLE: "active",
                            env.HOTSPARE_WORKER_ID: wid})
@@ -413,6 +371,8 @@ class Launcher:
         env.configure_accelerator()
         self.port = self._open_store()
         self._advertise()
+        if self.spec.node_rank == 0:
+            self.coordinator = Coordinator(self.spec, self.store, self.world_size, self.port)
         if self.spec.node_rank != 0:
             threading.Thread(target=self._beat, name="hotspare-node-heartbeat", daemon=True).start()
         _log(f"job {self.job_id}: node {self.spec.node_rank}/{self.spec.nnodes}, {self.spec.nproc_per_node} "
@@ -472,7 +432,7 @@ class Launcher:
         failure = control.Failure(worker=w.wid, rank=w.rank, code=code, reason=reason, wall_time=time.time(),
                                   detect_s=detect_s)
         what = f"rank {w.rank}" if w.rank >= 0 else f"spare {w.wid}"
-        how = {"exit": _describe(code), "heartbeat": f"no heartbeat for {detect_s:.1f} s, killed",
+        how = {"exit": describe_exit(code), "heartbeat": f"no heartbeat for {detect_s:.1f} s, killed",
                "watchdog": f"stuck (its peers' collectives timed out waiting for it; {detect_s:.1f} s), killed"}[reason]
         _log(f"{what} ({w.wid}, node {w.node}) failed: {how}")
         control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
@@ -532,151 +492,12 @@ class Launcher:
                          f"on node {w.node}")
                     self._start_spare(w.node)
 
-    def _coordinate(self) -> None:
-        """Node 0 only: turn reported failures into the next generation's plan."""
-        self._check_nodes()
-        for text in control.read_list(self.store, control.SPARE_COUNT, "spare/", self._spare_read):
-            self._spare_read += 1
-            wid, node = json.loads(text)
-            self._spares.append((wid, node))
-        for text in control.read_list(self.store, control.FAIL_COUNT, "fail/", self._fail_read):
-            self._fail_read += 1
-            failure = control.Failure(**json.loads(text))
-            self._spares = [s for s in self._spares if s[0] != failure.worker]
-            self._prepared = {r: w for r, w in self._prepared.items() if w != failure.worker}
-            if failure.rank < 0:
-                # A spare that died after the plan promoted it but before its launcher saw the plan.
-                rank = self._current_plan().rank_of(failure.worker)
-                failure = dataclasses.replace(failure, rank=-1 if rank is None else rank)
-            if failure.rank >= 0:
-                if not self._pending:
-                    self._pending_since = time.monotonic()
-                self._pending.append(failure)
-                self._prepare(failure.rank)
-        for text in control.read_list(self.store, control.WAIT_COUNT, "wait/", self._wait_read):
-            self._wait_read += 1
-            report = control.Waiting(**json.loads(text))
-            self._waiting.setdefault(report.generation, {})[report.worker] = report
-        if not self._pending:
-            self._find_stalled()
-        if not self._pending or (time.monotonic() - self._pending_since < self.spec.settle_s
-                                 and not self._all_accounted()):
-            return
-        self._stall_since = None
-        failures, self._pending = self._pending, []
-        previous = self._current_plan()
-        workers = dict(previous.workers)
-        ready = self._ready_spares()
-        dead = {f.rank: self._node_of_rank(f.rank) for f in failures}
-        # A spare already building its engine for a rank keeps that rank.
-        kept = {r: w for r, w in self._prepared.items() if r in dead and any(s[0] == w for s in ready)}
-        rest = control.choose_spares({r: n for r, n in dead.items() if r not in kept},
-                                     [s for s in ready if s[0] not in kept.values()])
-        choice = None if rest is None else {**kept, **rest}
-        g = self.generation + 1
-        if choice is None and len(self._spares) >= len(dead) and \
-                time.monotonic() - self._pending_since < self.spec.store_timeout_s:
-            # Enough spares exist but some are still starting (imports, model build): wait for them.
-            self._pending = failures + self._pending
-            return
-        if choice is None and time.monotonic() - self._pending_since < self.spec.spare_wait_s:
-            # Configured to wait for spares: from a replacement node (hotspare-run --spares-only).
-            if not self._waiting_for_spares:
-                self._waiting_for_spares = True
-                _log(f"{len(dead)} rank(s) need a spare and {len(ready)} are ready: waiting up to "
-                     f"{self.spec.spare_wait_s:.0f} s for more (start `hotspare-run --spares-only --node-rank "
-                     f"<new index> --spares-per-node N --master-addr {self.spec.master_addr} --master-port "
-                     f"{self.port} ...` on a replacement node)")
-            self._pending = failures + self._pending
-            return
-        self._waiting_for_spares = False
-        if choice is None:
-            lost = ", ".join(f"rank {f.rank} ({_describe(f.code) if f.reason == 'exit' else 'hung'})"
-                             for f in failures)
-            per_node = max(collections.Counter(dead.values()).values())
-            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain; to survive {len(dead)} failures "
-                      f"at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
-                      f"{max(per_node, self.spec.spares_per_node + 1)}")
-            plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
-                                abort=reason)
-            _log(f"cannot recover: {reason}")
-        else:
-            for rank, wid in choice.items():
-                workers[str(rank)] = wid
-                self._prepared.pop(rank, None)
-            self._spares = [s for s in self._spares if s[0] not in choice.values()]
-            plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
-                                failures=[dataclasses.asdict(f) for f in failures])
-            _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
-        self.store.set(f"plan/{g}", plan.to_json())
-        for wid in plan.replaced.values():
-            self.store.set(f"order/{wid}", str(g))
-
-    def _all_accounted(self) -> bool:
-        """Every worker of the current generation has failed or reported that it left it: no other
-        failure can still be on its way, so the settle window need not run out."""
-        seen = {f.worker for f in self._pending} | set(self._waiting.get(self.generation, {}))
-        return set(self._current_plan().workers.values()) <= seen
-
-    def _prepare(self, rank: int) -> None:
-        """Tell a ready spare at once which rank it will take, so that it builds that rank's engine
-        while the coordinator settles and plans (the plan then gives it that rank)."""
-        if rank in self._prepared:
-            return
-        ready = [s for s in self._ready_spares() if s[0] not in self._prepared.values()]
-        pick = control.choose_spares({rank: self._node_of_rank(rank)}, ready)
-        if pick is None:
-            return
-        self._prepared[rank] = pick[rank]
-        prepare = control.Prepare(rank, self.world_size, self.generation + 1)
-        self.store.set(f"prepare/{pick[rank]}", json.dumps(dataclasses.asdict(prepare)))
-
-    def _ready_spares(self) -> list[tuple[str, int]]:
-        """Registered spares that wait for an order (imports done, model built)."""
-        return [s for s in self._spares if s[1] not in self._lost_nodes and self.store.check([f"ready/{s[0]}"])]
-
-    def _find_stalled(self) -> None:
-        """Survivors left the current generation but no launcher reported a failure: a rank is stuck
-        (alive and beating, but not in the collective its peers timed out in), or the fault was
-        transient. Who has not reported within ``stall_grace_s`` is killed (then replaced like any
-        failure); when every active worker reported, the same workers form the next generation."""
-        g = self.generation
-        waiting = self._waiting.get(g)
-        if not waiting or self.store.check([f"plan/{g + 1}"]):
-            return
-        now = time.monotonic()
-        if self._stall_since is None:
-            self._stall_since = now
-        workers = self._current_plan().workers
-        active = set(workers.values())
-        missing = sorted(active - set(waiting) - self._killed)
-        if not missing and not (active & self._killed):
-            plan = control.Plan(g + 1, self.world_size, dict(workers))
-            _log(f"generation {g + 1}: every rank saw a failure and none died (a transient fault); "
-                 f"rebuilding with the same workers")
-            self.store.set(f"plan/{g + 1}", plan.to_json())
-            self._stall_since = None
-            return
-        if missing and now - self._stall_since > self.spec.stall_grace_s:
-            waited = max((r.waited_s for r in waiting.values() if r.timed_out), default=0.0)
-            for wid in missing:
-                _log(f"worker {wid} did not report the failure its peers saw within {self.spec.stall_grace_s} s: "
-                     f"killing it as stuck")
-                control.append(self.store, control.KILL_COUNT, "kill/",
-                               json.dumps({"worker": wid, "detect_s": waited + now - self._stall_since}))
-                self._killed.add(wid)
-
-    def _current_plan(self) -> control.Plan:
-        if self.generation == 0:
-            return control.Plan(0, self.world_size, {str(r): control.active_id(r) for r in range(self.world_size)})
-        return control.Plan.from_json(self.store.get(f"plan/{self.generation}"))
-
     def wait(self) -> int:
         """Block until the job ends; return its exit code."""
         while True:
             self._watch()
-            if self.spec.node_rank == 0:
-                self._coordinate()
+            if self.coordinator is not None:
+                self.coordinator.step()
             self._follow_plans()
             if self.exit_code is None and self.store.check([control.ABORT]):
                 _log(f"a worker stopped the job: {self.store.get(control.ABORT).decode()}")
@@ -702,7 +523,8 @@ class Launcher:
     def _pause(self) -> None:
         """Until the next look: ``POLL_INTERVAL_S``, cut short the moment a worker exits (its
         pidfd turns readable); while a failure waits for its plan, ``control.RECOVERY_POLL_S``."""
-        limit = control.RECOVERY_POLL_S if self._pending else POLL_INTERVAL_S
+        busy = self.coordinator is not None and self.coordinator.busy
+        limit = control.RECOVERY_POLL_S if busy else POLL_INTERVAL_S
         fds = [w.pidfd for w in self.workers.values() if not w.done and w.pidfd >= 0]
         if fds:
             select.select(fds, [], [], limit)
@@ -733,15 +555,6 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         os.killpg(p.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return "error exit"
 
 
 def run(spec: LaunchSpec) -> int:

@@ -1,0 +1,237 @@
+"""The coordinator: node 0's launcher turns what the workers and launchers report (failures,
+spares, survivors that left a generation, node heartbeats) into the next generation's plan:
+which spare takes which rank, or why the job cannot go on.
+
+It reads and writes only the control store (keys in :mod:`hotspare.control`), so it is tested
+in one process with no workers (tests/test_launch.py); the choice of spares itself is the pure
+:func:`hotspare.control.choose_spares`.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import signal
+import sys
+import time
+
+from . import control
+
+
+def _log(msg: str) -> None:
+    print(f"[hotspare-run] {msg}", file=sys.stderr, flush=True)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return "error exit"
+
+
+class Coordinator:
+    """Node 0's planner. ``spec`` is the job's launch spec (a ``hotspare.launch.LaunchSpec``),
+    ``store`` the control store, ``port`` the store's port (named in messages)."""
+
+    def __init__(self, spec, store, world_size: int, port: int):
+        self.spec, self.store, self.world_size, self.port = spec, store, world_size, port
+        self.generation = 0
+        """The newest plan's generation."""
+        self._fail_read = 0
+        self._spare_read = 0
+        self._wait_read = 0
+        self._spares: list[tuple[str, int]] = []  # registered, not yet promoted
+        self._pending: list[control.Failure] = []
+        self._pending_since = 0.0
+        self._waiting: dict[int, dict[str, control.Waiting]] = {}  # generation -> worker -> report
+        self._stall_since: float | None = None
+        self._killed: set[str] = set()
+        self._prepared: dict[int, str] = {}  # rank -> spare told to build its engine
+        self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat, when it last moved)
+        self._lost_nodes: set[int] = set()
+        self._waiting_for_spares = False
+
+    def _follow(self) -> None:
+        """A plan written by someone else (a worker's abort) moves the generation too."""
+        while self.store.check([f"plan/{self.generation + 1}"]):
+            self.generation += 1
+
+    @property
+    def busy(self) -> bool:
+        """A failure waits for its plan (the launcher then looks more often)."""
+        return bool(self._pending)
+
+    def step(self) -> None:
+        """One look: new spares, failures and reports in; the next generation's plan out when due."""
+        self._follow()
+        self._check_nodes()
+        for text in control.read_list(self.store, control.SPARE_COUNT, "spare/", self._spare_read):
+            self._spare_read += 1
+            wid, node = json.loads(text)
+            self._spares.append((wid, node))
+        for text in control.read_list(self.store, control.FAIL_COUNT, "fail/", self._fail_read):
+            self._fail_read += 1
+            failure = control.Failure(**json.loads(text))
+            self._spares = [s for s in self._spares if s[0] != failure.worker]
+            self._prepared = {r: w for r, w in self._prepared.items() if w != failure.worker}
+            if failure.rank < 0:
+                # A spare that died after the plan promoted it but before its launcher saw the plan.
+                rank = self._current_plan().rank_of(failure.worker)
+                failure = dataclasses.replace(failure, rank=-1 if rank is None else rank)
+            if failure.rank >= 0:
+                if not self._pending:
+                    self._pending_since = time.monotonic()
+                self._pending.append(failure)
+                self._prepare(failure.rank)
+        for text in control.read_list(self.store, control.WAIT_COUNT, "wait/", self._wait_read):
+            self._wait_read += 1
+            report = control.Waiting(**json.loads(text))
+            self._waiting.setdefault(report.generation, {})[report.worker] = report
+        if not self._pending:
+            self._find_stalled()
+        if not self._pending or (time.monotonic() - self._pending_since < self.spec.settle_s
+                                 and not self._all_accounted()):
+            return
+        self._stall_since = None
+        failures, self._pending = self._pending, []
+        previous = self._current_plan()
+        workers = dict(previous.workers)
+        ready = self._ready_spares()
+        dead = {f.rank: self.spec.node_of_rank(f.rank) for f in failures}
+        # A spare already building its engine for a rank keeps that rank.
+        kept = {r: w for r, w in self._prepared.items() if r in dead and any(s[0] == w for s in ready)}
+        rest = control.choose_spares({r: n for r, n in dead.items() if r not in kept},
+                                     [s for s in ready if s[0] not in kept.values()])
+        choice = None if rest is None else {**kept, **rest}
+        g = self.generation + 1
+        if choice is None and len(self._spares) >= len(dead) and \
+                time.monotonic() - self._pending_since < self.spec.store_timeout_s:
+            # Enough spares exist but some are still starting (imports, model build): wait for them.
+            self._pending = failures + self._pending
+            return
+        if choice is None and time.monotonic() - self._pending_since < self.spec.spare_wait_s:
+            # Configured to wait for spares: from a replacement node (hotspare-run --spares-only).
+            if not self._waiting_for_spares:
+                self._waiting_for_spares = True
+                _log(f"{len(dead)} rank(s) need a spare and {len(ready)} are ready: waiting up to "
+                     f"{self.spec.spare_wait_s:.0f} s for more (start `hotspare-run --spares-only --node-rank "
+                     f"<new index> --spares-per-node N --master-addr {self.spec.master_addr} --master-port "
+                     f"{self.port} ...` on a replacement node)")
+            self._pending = failures + self._pending
+            return
+        self._waiting_for_spares = False
+        if choice is None:
+            lost = ", ".join(f"rank {f.rank} ({describe_exit(f.code) if f.reason == 'exit' else 'hung'})"
+                             for f in failures)
+            per_node = max(collections.Counter(dead.values()).values())
+            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain; to survive {len(dead)} failures "
+                      f"at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
+                      f"{max(per_node, self.spec.spares_per_node + 1)}")
+            plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
+                                abort=reason)
+            _log(f"cannot recover: {reason}")
+        else:
+            for rank, wid in choice.items():
+                workers[str(rank)] = wid
+                self._prepared.pop(rank, None)
+            self._spares = [s for s in self._spares if s[0] not in choice.values()]
+            plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
+                                failures=[dataclasses.asdict(f) for f in failures])
+            _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
+        self.store.set(f"plan/{g}", plan.to_json())
+        self.generation = g
+        for wid in plan.replaced.values():
+            self.store.set(f"order/{wid}", str(g))
+
+    def _all_accounted(self) -> bool:
+        """Every worker of the current generation has failed or reported that it left it: no other
+        failure can still be on its way, so the settle window need not run out."""
+        seen = {f.worker for f in self._pending} | set(self._waiting.get(self.generation, {}))
+        return set(self._current_plan().workers.values()) <= seen
+
+    def _prepare(self, rank: int) -> None:
+        """Tell a ready spare at once which rank it will take, so that it builds that rank's engine
+        while the coordinator settles and plans (the plan then gives it that rank)."""
+        if rank in self._prepared:
+            return
+        ready = [s for s in self._ready_spares() if s[0] not in self._prepared.values()]
+        pick = control.choose_spares({rank: self.spec.node_of_rank(rank)}, ready)
+        if pick is None:
+            return
+        self._prepared[rank] = pick[rank]
+        prepare = control.Prepare(rank, self.world_size, self.generation + 1)
+        self.store.set(f"prepare/{pick[rank]}", json.dumps(dataclasses.asdict(prepare)))
+
+    def _ready_spares(self) -> list[tuple[str, int]]:
+        """Registered spares that wait for an order (imports done, model built)."""
+        return [s for s in self._spares if s[1] not in self._lost_nodes and self.store.check([f"ready/{s[0]}"])]
+
+    def _find_stalled(self) -> None:
+        """Survivors left the current generation but no launcher reported a failure: a rank is stuck
+        (alive and beating, but not in the collective its peers timed out in), or the fault was
+        transient. Who has not reported within ``stall_grace_s`` is killed (then replaced like any
+        failure); when every active worker reported, the same workers form the next generation."""
+        g = self.generation
+        waiting = self._waiting.get(g)
+        if not waiting or self.store.check([f"plan/{g + 1}"]):
+            return
+        now = time.monotonic()
+        if self._stall_since is None:
+            self._stall_since = now
+        workers = self._current_plan().workers
+        active = set(workers.values())
+        missing = sorted(active - set(waiting) - self._killed)
+        if not missing and not (active & self._killed):
+            plan = control.Plan(g + 1, self.world_size, dict(workers))
+            _log(f"generation {g + 1}: every rank saw a failure and none died (a transient fault); "
+                 f"rebuilding with the same workers")
+            self.store.set(f"plan/{g + 1}", plan.to_json())
+            self.generation = g + 1
+            self._stall_since = None
+            return
+        if missing and now - self._stall_since > self.spec.stall_grace_s:
+            waited = max((r.waited_s for r in waiting.values() if r.timed_out), default=0.0)
+            for wid in missing:
+                _log(f"worker {wid} did not report the failure its peers saw within {self.spec.stall_grace_s} s: "
+                     f"killing it as stuck")
+                control.append(self.store, control.KILL_COUNT, "kill/",
+                               json.dumps({"worker": wid, "detect_s": waited + now - self._stall_since}))
+                self._killed.add(wid)
+
+    def _current_plan(self) -> control.Plan:
+        if self.generation == 0:
+            return control.Plan(0, self.world_size, {str(r): control.active_id(r) for r in range(self.world_size)})
+        return control.Plan.from_json(self.store.get(f"plan/{self.generation}"))
+
+    def _check_nodes(self) -> None:
+        """Node 0: a node whose launcher stopped beating for ``node_timeout_s`` is lost; every rank
+        it held fails (reason 'node') and its spares are given up. A node is watched from its
+        first beat on (launchers may start minutes apart under a scheduler)."""
+        # Every launched node but this one, and any node that brought spares (a replacement).
+        nodes = set(range(1, self.spec.nnodes)) | {n for _, n in self._spares if n >= self.spec.nnodes}
+        if not nodes or self.spec.logical_nodes > 1:
+            return
+        now = time.monotonic()
+        for n in sorted(nodes):
+            if n in self._lost_nodes:
+                continue
+            beat = int(self.store.add(f"node/{n}/hb", 0))
+            seen = self._node_beats.get(n)
+            if beat > 0 and (seen is None or beat != seen[0]):
+                self._node_beats[n] = (beat, now)
+            elif seen is not None and now - seen[1] > self.spec.node_timeout_s:
+                self._lose_node(n, now - seen[1])
+
+    def _lose_node(self, node: int, silent_s: float) -> None:
+        self._lost_nodes.add(node)
+        self._spares = [sp for sp in self._spares if sp[1] != node]
+        plan = self._current_plan()
+        lost = sorted((int(r), wid) for r, wid in plan.workers.items() if self.spec.node_of_worker(wid) == node)
+        _log(f"node {node} lost: its launcher has not beaten for {silent_s:.1f} s (down, or cut off from node 0); "
+             f"its rank(s) {[r for r, _ in lost]} fail")
+        for rank, wid in lost:
+            failure = control.Failure(worker=wid, rank=rank, code=-signal.SIGKILL, reason="node",
+                                      wall_time=time.time(), detect_s=silent_s)
+            control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
