@@ -19,6 +19,11 @@ writes one JSON object and prints it. CI never runs this (it has no GPU); run it
   memory and exports its IPC handle; a trainer process maps it, writes state, and is SIGKILLed;
   a spare process maps the same handle and reads the state back bitwise. Reports the
   device-to-device rate into the mapped memory.
+- ``keeper_pinned``: the mirror's snapshots in a keeper's shared-memory segment, page-locked in
+  place (``cudaHostRegister``): the capture stays asynchronous, the copy bitwise.
+- ``keeper_device``: the keeper's GPU tier (``retain.device_tier``): a keeper process holds a
+  rank's device copy, its trainer is SIGKILLed, a spare restores from the device copy bitwise;
+  restore time from the device copy against from the host segment.
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ def sha(t) -> str:
                           .tobytes()).hexdigest()
 
 
-def _two_mirrors(pinned: bool):
+def _two_mirrors(pinned: bool, snapshots=(None, None)):
     import torch
 
     from hotspare.mirror import Mirror
@@ -75,7 +80,7 @@ def _two_mirrors(pinned: bool):
         return agree
 
     return [Mirror(r, 0, {0: [1], 1: [0]}, fabric.endpoint(r), agree_for(r), chunk_bytes=64 << 20, timeout_s=120,
-                   pin_memory=pinned) for r in range(2)]
+                   pin_memory=pinned, snapshots=snapshots[r]) for r in range(2)]
 
 
 def _run_ranks(fn) -> None:
@@ -379,6 +384,150 @@ def check_cuda_ipc(mb: int) -> dict:
     return out
 
 
+def check_keeper_pinned(mb: int) -> dict:
+    """The mirror's snapshots in a keeper's shared-memory segment (as with ``retain.keeper``), page-
+    locked in place: the capture into them must be asynchronous (the training thread held about as
+    long as with private pinned buffers), and the committed copy bitwise the state."""
+    import torch
+
+    from hotspare.retain import RetainedSegment, RetainedSnapshots
+
+    numel = mb * (1 << 20) // 4
+    shm = tempfile.mkdtemp(prefix="hotspare-gpu-shm-", dir="/dev/shm")
+    segments = []
+
+    def snapshots_for(r):
+        def make(layout):
+            seg = RetainedSegment.create(os.path.join(shm, f"r{r}"), r, layout.id, layout.nbytes, 64 << 20)
+            segments.append(seg)
+            return RetainedSnapshots(seg, layout, pin_memory=True)
+        return make
+
+    mirrors = _two_mirrors(True, snapshots=[snapshots_for(0), snapshots_for(1)])
+    states = [[("fp32.0", torch.randn(numel, device="cuda"))] for _ in range(2)]
+    held, expected = [[], []], [{}, {}]
+
+    def timed(r):
+        m = mirrors[r]
+        for v in range(1, 8):
+            with torch.no_grad():
+                m.before_update()
+                states[r][0][1].add_(1.0)
+                expected[r][v] = sha(states[r][0][1])
+            before = m.stats.capture_s
+            m.on_step(v, lambda: states[r], lambda: {"v": v})
+            held[r].append(m.stats.capture_s - before)
+        m.flush()
+
+    _run_ranks(timed)
+    out = {"registered": all(b.is_pinned() for b in mirrors[0].snapshots.buffers)}
+    version, buf = mirrors[0].read_committed(1)
+    out["bitwise"] = sha(mirrors[0].layout.views(buf)[0]) == expected[1][version]
+    out["retained_versions"] = segments[0].versions_by_slot() if segments else None
+    steady = sorted(held[0][1:])
+    out["capture_ms"] = 1e3 * steady[len(steady) // 2]
+    out["bytes"] = mirrors[0].layout.nbytes
+    for m in mirrors:
+        m.close()
+    for seg in segments:
+        seg.close()
+    for name in os.listdir(shm):
+        os.unlink(os.path.join(shm, name))
+    os.rmdir(shm)
+    if not (out["registered"] and out["bitwise"]):
+        raise AssertionError(f"keeper segment capture: {out}")
+    return out
+
+
+KEEPER_DEVICE_CHILD = r"""
+import hashlib, json, os, signal, sys, time, torch
+from hotspare.keeper import KeeperClient
+from hotspare.mirror import Mirror
+from hotspare.snapshot import Layout
+from hotspare.transport import LocalFabric
+sock, role, mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.cuda.set_device(0)
+numel = mb * (1 << 20) // 8
+g = torch.Generator(device="cuda").manual_seed(1)
+named = [("fp32.0", torch.randn(numel, device="cuda", generator=g)),
+         ("optim.0.exp_avg", torch.randn(numel, device="cuda", generator=g)),
+         ("rng.cpu", torch.get_rng_state())]
+digest = lambda ts: hashlib.sha256(b"".join(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                                            for t in ts)).hexdigest()
+client = KeeperClient(sock, timeout_s=120, device_tier=True)
+if role == "trainer":
+    notes = []
+    m = Mirror(0, 0, {0: []}, LocalFabric().endpoint(0), lambda t: None, chunk_bytes=64 << 20, timeout_s=120,
+               pin_memory=True, snapshots=client.snapshots_for(0, 64 << 20, 0, notes.append, True, 0))
+    held = []
+    for v in range(1, 7):
+        with torch.no_grad():
+            m.before_update()
+            named[0][1].add_(1.0)
+            named[1][1].mul_(0.5)
+        before = m.stats.capture_s
+        m.on_step(v, lambda: named, lambda: {"v": v})
+        held.append(m.stats.capture_s - before)
+        want = digest([t for n, t in named if not n.startswith("rng.")])
+    m.flush()
+    seg = m.snapshots.segment
+    steady = sorted(held[1:])
+    print(json.dumps({"trainer_digest": want, "device_record": seg.device_record()[0], "notes": notes,
+                      "capture_ms": 1e3 * steady[len(steady) // 2], "device_is_cuda": m.snapshots.device.is_cuda}),
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # a trainer crash with its node alive
+else:
+    layout = Layout.of(named)
+    kept, detail = client.take_over(0, lambda i: layout if i == layout.id else None)
+    live = [t for n, t in named if not n.startswith("rng.")]
+    for t in live:
+        t.zero_()
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for t, v in zip(live, layout.views(kept.device)):
+        t.copy_(v)
+    torch.cuda.synchronize(); dev_s = time.perf_counter() - t0
+    got = digest(live)
+    host = kept.segment.slots[kept.good[kept.device_version]]
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for t, v in zip(live, layout.views(host)):
+        t.copy_(v)
+    torch.cuda.synchronize(); host_s = time.perf_counter() - t0
+    print(json.dumps({"spare_digest": got, "host_digest": digest(live), "detail": detail,
+                      "device_version": kept.device_version, "restore_from_device_ms": 1e3 * dev_s,
+                      "restore_from_host_ms": 1e3 * host_s, "bytes": sum(t.numel() * 4 for t in live)}), flush=True)
+"""
+
+
+def check_keeper_device(mb: int) -> dict:
+    """The keeper's GPU tier end to end on one GPU: a real keeper process; a trainer process whose
+    mirror captures into the keeper's host segment and its device buffer, then is SIGKILLed; a
+    spare process that takes the rank over from the keeper and restores from the device copy.
+    The spare's state must equal the trainer's last version bitwise, from device and host alike."""
+    from hotspare import keeper
+
+    job = f"gpucheck{os.getpid()}"
+    sock = os.path.join(tempfile.mkdtemp(prefix="hotspare-gpu-"), "k.sock")
+    proc = keeper.start(job, 0, sock)
+    out = {}
+    try:
+        for role in ("trainer", "spare"):
+            r = subprocess.run([sys.executable, "-c", KEEPER_DEVICE_CHILD, sock, role, str(mb)], capture_output=True,
+                               text=True, timeout=300)
+            lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+            if not lines:
+                raise AssertionError(f"{role} exited {r.returncode}: {r.stderr[-2000:]}")
+            out.update(json.loads(lines[-1]))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    out["segments_left"] = [n for n in os.listdir("/dev/shm") if n.startswith(f"hotspare-{job}") or (
+        keeper.CUDA_IPC_RE.match(n) and int(keeper.CUDA_IPC_RE.match(n)["pid"], 16) == proc.pid)]
+    out["bitwise"] = out["spare_digest"] == out["trainer_digest"] == out["host_digest"]
+    if not (out["bitwise"] and out["device_version"] == 6 and not out["segments_left"]):
+        raise AssertionError(f"keeper device tier: {out}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_check.json")
@@ -400,7 +549,8 @@ def main() -> int:
     checks = {"mirror": lambda: check_mirror(a.mb), "deepspeed": lambda: check_deepspeed(tmp),
               "megatron": lambda: check_megatron(tmp),
               "deepspeed_stage": lambda: check_deepspeed_stage(tmp, a.stage), "nccl": lambda: check_nccl(tmp),
-              "cuda_ipc": lambda: check_cuda_ipc(min(a.mb, 512))}
+              "cuda_ipc": lambda: check_cuda_ipc(min(a.mb, 512)), "keeper_pinned": lambda: check_keeper_pinned(a.mb),
+              "keeper_device": lambda: check_keeper_device(min(a.mb, 1024))}
     for name, fn in checks.items():
         if (not only and name != "deepspeed_stage") or name in only:
             section(results, name)(fn)

@@ -11,6 +11,7 @@ import textwrap
 
 import psutil
 import pytest
+import torch
 
 from hotspare import keeper
 from hotspare.keeper import KeeperClient, KeeperError
@@ -28,14 +29,14 @@ def test_a_keeper_serves_segments_and_removes_them_when_stopped(tmp_path, no_lea
     proc = keeper.start(job, 0, sock)
     try:
         client = KeeperClient(sock)
-        seg, note = client.open(1, layout_id=9, nbytes=10000, chunk_bytes=4096)
-        assert note == "" and seg.rank == 1 and len(ours(job)) == 1
+        seg, note, device = client.open(1, layout_id=9, nbytes=10000, chunk_bytes=4096)
+        assert note == "" and seg.rank == 1 and len(ours(job)) == 1 and device is None
         seg.slots[0][:4] = 7
         seg.seal(0, 3, 0)
         seg.commit(0, 3)
-        seen = client.lookup(1)  # another process on the node (a spare) sees the same bytes
-        assert seen.complete_versions() == {3: 0} and int(seen.slots[0][2]) == 7
-        assert client.lookup(0) is None
+        seen, wire = client.lookup(1)  # another process on the node (a spare) sees the same bytes
+        assert seen.complete_versions() == {3: 0} and int(seen.slots[0][2]) == 7 and wire is None
+        assert client.lookup(0) == (None, None)
         assert client.stats()["bytes"] > 20000
         seg.close()
         seen.close()
@@ -45,6 +46,23 @@ def test_a_keeper_serves_segments_and_removes_them_when_stopped(tmp_path, no_lea
     assert proc.returncode == 0 and ours(job) == [] and not os.path.exists(sock)
     with pytest.raises(KeeperError, match="did not answer"):
         KeeperClient(sock, timeout_s=1.0).stats()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the keeper's answer where there is no GPU")
+def test_a_device_tier_the_keeper_cannot_serve_leaves_the_host_tier_and_says_why(tmp_path, no_leaks):
+    job = f"t{os.getpid()}d"
+    sock = str(tmp_path / "k.sock")
+    proc = keeper.start(job, 0, sock)
+    try:
+        seg, note, device = KeeperClient(sock, timeout_s=60).open(0, layout_id=9, nbytes=10000, chunk_bytes=4096,
+                                                                 device=0)
+        assert seg is not None and device is None
+        assert "cannot be retained on GPU 0" in note and "retain.device_tier" in note
+        seg.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert ours(job) == []
 
 
 def test_a_killed_keeper_leaves_segments_that_the_next_keeper_removes(tmp_path, no_leaks):

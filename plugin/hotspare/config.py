@@ -146,8 +146,15 @@ class RetainConfig:
     """Stripe: data shares each rank's state is cut into (memory (k+m)/k of the state)."""
     m: int = 1
     """Stripe: parity shares; the state survives the loss of any m whole nodes, keepers included."""
+    device_tier: bool = False
+    """CUDA only: the keeper also keeps a copy of each rank's newest capture on the rank's GPU
+    (memory the keeper owns, shared by IPC handle), so a spare taking a crashed rank on the same
+    GPU restores at device speed instead of copying the state from host memory. Costs one more
+    copy of the unique state in GPU memory, and the keeper a CUDA context per GPU."""
 
     def __post_init__(self) -> None:
+        if self.device_tier and not self.keeper:
+            raise ConfigError("retain.device_tier=true needs retain.keeper=true (the keeper owns the device copy)")
         if self.budget_mb < 0:
             raise ConfigError(f"retain.budget_mb={self.budget_mb} must be >= 0 (0: no budget)")
         check_choice("retain.tier2", self.tier2, TIER2_KINDS)

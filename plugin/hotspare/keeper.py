@@ -17,7 +17,9 @@ Lifecycle (nothing is left in /dev/shm):
   logs each one.
 
 Requests are one JSON object per connection, answered with one JSON object (local socket;
-nothing is unpickled). A host-memory budget (``hotspare.retain.budget_mb``, sent with each
+nothing is unpickled). With ``retain.device_tier`` the keeper also allocates, on the rank's GPU,
+a buffer for a copy of its newest capture, and hands out its CUDA IPC handle
+(:mod:`hotspare.devicemem`); torch is imported, and a CUDA context made, only then. A host-memory budget (``hotspare.retain.budget_mb``, sent with each
 request) is enforced here: a rank whose two retained versions do not fit keeps only the
 newest one, and one whose single version does not fit is not retained; each time, the log
 and the answer say what was given up.
@@ -68,6 +70,30 @@ def _is_live_keeper(pid: int) -> bool:
         return True  # no /proc: alive is all we know
 
 
+CUDA_IPC_RE = re.compile(r"^cuda\.shm\.\d+\.(?P<pid>[0-9a-f]+)\.\d+$")
+
+
+def remove_cuda_ipc_files(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the files the CUDA driver made in /dev/shm for process ``pid``'s IPC exports
+    (``cuda.shm.<uid>.<pid, hex>.<n>``; seen on an H200 with CUDA 13: left behind when the
+    exporting process exits). A keeper with a device tier calls it for itself as it stops, the
+    launcher for a keeper it had to kill."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = CUDA_IPC_RE.match(name)
+        if m is not None and int(m["pid"], 16) == pid:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def remove_stale(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink every hotspare segment whose keeper is gone; returns the names removed."""
     removed = []
@@ -104,6 +130,7 @@ class Keeper:
     def __init__(self, job_id: str, node: int, sock_path: str, shm_dir: str = SHM_DIR):
         self.job_id, self.node, self.sock_path, self.shm_dir = safe_job_id(job_id), node, sock_path, shm_dir
         self.held: dict[int, Held] = {}
+        self.device_held: dict[int, tuple] = {}  # rank -> (tensor, its IPC handle as JSON, device index)
         self._seq = 0
         self._stop = False
 
@@ -115,11 +142,19 @@ class Keeper:
     def handle(self, req: dict) -> dict:
         op = req.get("op")
         if op == "open":
-            return self._open(int(req["rank"]), int(req["layout_id"]), int(req["nbytes"]), int(req["chunk_bytes"]),
-                              int(req.get("budget_bytes", 0)))
+            rank = int(req["rank"])
+            reply = self._open(rank, int(req["layout_id"]), int(req["nbytes"]), int(req["chunk_bytes"]),
+                               int(req.get("budget_bytes", 0)))
+            device = req.get("device")
+            if reply.get("ok") and reply["held"] is not None and device is not None:
+                reply["device"], reply["device_note"] = self._open_device(rank, int(req["nbytes"]), int(device),
+                                                                          reply["reused"])
+            return reply
         if op == "lookup":
-            h = self.held.get(int(req["rank"]))
-            return {"ok": True, "held": asdict(h) if h else None}
+            rank = int(req["rank"])
+            h = self.held.get(rank)
+            d = self.device_held.get(rank)
+            return {"ok": True, "held": asdict(h) if h else None, "device": d[1] if (h and d) else None}
         if op == "release":
             self._release(int(req["rank"]))
             return {"ok": True}
@@ -170,7 +205,30 @@ class Keeper:
             self.log(note)
         return {"ok": True, "held": asdict(h), "reused": False, "note": note}
 
+    def _open_device(self, rank: int, nbytes: int, device: int, reused: bool) -> tuple[dict | None, str]:
+        """Rank ``rank``'s buffer on GPU ``device`` (made now, or the one kept with its segment): its
+        IPC handle, or None and why not (the host tier still retains the rank)."""
+        d = self.device_held.get(rank)
+        if d is not None and reused and d[2] == device and d[0].numel() == nbytes:
+            return d[1], ""
+        self.device_held.pop(rank, None)
+        try:
+            import torch
+
+            from .devicemem import export
+
+            buf = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+            wire = export(buf)
+        except Exception as exc:  # noqa: BLE001 - no CUDA here, or no memory left on the GPU
+            note = (f"rank {rank}'s state ({nbytes / MIB:.1f} MiB) cannot be retained on GPU {device} ({exc}); the "
+                    f"keeper retains it in host memory only (hotspare.retain.device_tier)")
+            self.log(note)
+            return None, note
+        self.device_held[rank] = (buf, wire, device)
+        return wire, ""
+
     def _release(self, rank: int) -> None:
+        self.device_held.pop(rank, None)
         h = self.held.pop(rank, None)
         if h is not None:
             try:
@@ -210,8 +268,11 @@ class Keeper:
                     self._answer(conn)
         finally:
             srv.close()
+            exported = bool(self.device_held)
             for rank in list(self.held):
                 self._release(rank)
+            if exported:
+                remove_cuda_ipc_files(os.getpid(), self.shm_dir)
             try:
                 os.unlink(self.sock_path)
             except FileNotFoundError:
@@ -243,8 +304,16 @@ def _read_line(conn: socket.socket) -> bytes:
 class KeeperClient:
     """A trainer's handle on its node's keeper."""
 
-    def __init__(self, sock_path: str, timeout_s: float = 10.0):
-        self.sock_path, self.timeout_s = sock_path, timeout_s
+    def __init__(self, sock_path: str, timeout_s: float = 10.0, device_tier: bool = False):
+        self.sock_path, self.timeout_s, self.device_tier = sock_path, timeout_s, device_tier
+
+    def device_index(self) -> int | None:
+        """This process's GPU, where the keeper keeps its device copy (None: no device tier)."""
+        if not self.device_tier:
+            return None
+        import torch
+
+        return torch.cuda.current_device()
 
     def request(self, op: str, **fields) -> dict:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -262,66 +331,121 @@ class KeeperClient:
             raise KeeperError(reply.get("error") or f"the keeper refused {op!r}")
         return reply
 
-    def open(self, rank: int, layout_id: int, nbytes: int, chunk_bytes: int,
-             budget_bytes: int = 0) -> tuple[RetainedSegment | None, str]:
+    def open(self, rank: int, layout_id: int, nbytes: int, chunk_bytes: int, budget_bytes: int = 0,
+             device: int | None = None) -> tuple[RetainedSegment | None, str, object]:
         """Rank ``rank``'s segment for this layout (made now, or the one kept: same layout), mapped;
-        None when the budget leaves it out. Also returns the keeper's note on what it gave up."""
+        None when the budget leaves it out. Also returns the keeper's note on what it gave up, and,
+        with ``device`` (a GPU index: ``retain.device_tier``), the keeper's buffer on that GPU,
+        mapped (None when the keeper could not make one: the note says why)."""
         reply = self.request("open", rank=rank, layout_id=layout_id, nbytes=nbytes, chunk_bytes=chunk_bytes,
-                             budget_bytes=budget_bytes)
+                             budget_bytes=budget_bytes, device=device)
         held = reply["held"]
-        return (RetainedSegment.attach(held["path"]) if held else None), reply.get("note", "")
+        note = " ".join(filter(None, (reply.get("note", ""), reply.get("device_note", ""))))
+        buf = None
+        if reply.get("device") is not None:
+            from .devicemem import attach
 
-    def lookup(self, rank: int) -> RetainedSegment | None:
-        """The segment this keeper holds for ``rank`` (a dead rank's, for the spare that takes it)."""
-        held = self.request("lookup", rank=rank)["held"]
+            buf = attach(reply["device"])
+        return (RetainedSegment.attach(held["path"]) if held else None), note, buf
+
+    def lookup(self, rank: int) -> tuple[RetainedSegment | None, dict | None]:
+        """The segment this keeper holds for ``rank`` (a dead rank's, for the spare that takes it),
+        and the IPC handle of its device copy (None: no device tier)."""
+        reply = self.request("lookup", rank=rank)
+        held = reply["held"]
         if held is None:
-            return None
+            return None, None
         try:
-            return RetainedSegment.attach(held["path"])
+            return RetainedSegment.attach(held["path"]), reply.get("device")
         except SegmentError:
-            return None
+            return None, None
 
     def stats(self) -> dict:
         return self.request("stats")
 
     # ---- what a trainer does with it --------------------------------------------------------------
 
-    def snapshots_for(self, rank: int, chunk_bytes: int, budget_bytes: int, note):
+    def snapshots_for(self, rank: int, chunk_bytes: int, budget_bytes: int, note, pin_memory: bool = False,
+                      device: int | None = None):
         """A mirror's ``snapshots`` provider: rank ``rank``'s own snapshots in this keeper's segment
-        (private memory when the budget leaves the rank out; ``note(text)`` hears what was given up)."""
+        (private memory when the budget leaves the rank out; ``note(text)`` hears what was given up).
+        ``pin_memory``: page-lock them (an accelerator is in use); ``device``: this rank's GPU index,
+        where the keeper keeps a copy too (``retain.device_tier``)."""
         from .mirror import PrivateSnapshots
         from .retain import RetainedSnapshots
 
         def make(layout):
-            segment, given_up = self.open(rank, layout.id, layout.nbytes, chunk_bytes, budget_bytes)
+            segment, given_up, device_buf = self.open(rank, layout.id, layout.nbytes, chunk_bytes, budget_bytes,
+                                                      device)
             if given_up:
                 note(given_up)
             if segment is None:
-                return PrivateSnapshots(layout)
-            return RetainedSnapshots(segment, layout)
+                return PrivateSnapshots(layout, pin_memory)
+            return RetainedSnapshots(segment, layout, pin_memory, device_buf)
 
         return make
 
-    def take_over(self, rank: int, layout_for) -> tuple[RetainedSegment | None, dict[int, int], dict]:
-        """What this node's keeper retained of ``rank`` (a dead rank whose place this spare takes):
-        (segment, {version: slot} of the complete versions whose every chunk passes its checksum
-        or was sealed by a writer that died before checksumming it (``unverified_chunks``; see
-        :mod:`hotspare.retain`), details for the event log). ``layout_for(layout_id)`` is this engine's layout with that
+    def take_over(self, rank: int, layout_for) -> tuple["Kept | None", dict]:
+        """What this node's keeper retained of ``rank`` (a dead rank whose place this spare takes),
+        and details for the event log. ``layout_for(layout_id)`` is this engine's layout with that
         id, or None: a segment of another layout is not used."""
-        segment = self.lookup(rank)
+        segment, device_wire = self.lookup(rank)
         if segment is None:
-            return None, {}, {"retained": False}
-        if layout_for(segment.layout_id) is None:
+            return None, {"retained": False}
+        layout = layout_for(segment.layout_id)
+        if layout is None:
             detail = {"retained": True, "layout_mismatch": f"{segment.layout_id:x}"}
             segment.close()
-            return None, {}, detail
+            return None, detail
         complete = segment.complete_versions()
         corrupt = {v: segment.verify(s) for v, s in complete.items()}
         good = {v: s for v, s in complete.items() if not corrupt[v]}
         pending = {str(v): len(segment.unverified(s)) for v, s in good.items()}
-        return segment, good, {"retained": True, "complete": sorted(complete), "verified": sorted(good),
-                               "corrupt_chunks": {str(v): c for v, c in corrupt.items() if c},
-                               "unverified_chunks": {v: n for v, n in pending.items() if n}}
+        detail = {"retained": True, "complete": sorted(complete), "verified": sorted(good),
+                  "corrupt_chunks": {str(v): c for v, c in corrupt.items() if c},
+                  "unverified_chunks": {v: n for v, n in pending.items() if n}}
+        kept = Kept(segment, good)
+        if device_wire is not None:
+            from .devicemem import attach
+
+            try:
+                kept.device = attach(device_wire)
+            except Exception as exc:  # noqa: BLE001 - a handle this process cannot open: the host tier serves
+                detail["device"] = {"version": segment.device_record()[0], "usable": False,
+                                    "why": f"cannot map it: {exc}"}
+            else:
+                kept.device_version, detail["device"] = check_device(segment, layout, kept.device, good)
+        return kept, detail
+
+
+@dataclass
+class Kept:
+    """A dead rank's state as its node's keeper retained it, taken over by a spare."""
+
+    segment: RetainedSegment
+    good: dict[int, int]
+    """{version: slot} of the complete versions whose every chunk passes its checksum or was sealed
+    by a writer that died before checksumming it (``unverified_chunks``; see :mod:`hotspare.retain`)."""
+    device: object = None
+    """The keeper's device copy, mapped (``retain.device_tier``), or None."""
+    device_version: int = -1
+    """The version the device copy holds, checked; -1: none usable."""
+
+
+def check_device(segment: RetainedSegment, layout, buf, good: dict[int, int]) -> tuple[int, dict]:
+    """The version a dead rank's device copy ``buf`` can be restored from (-1: none), and why: the
+    version its record names, when that version is also complete and good in the host slots
+    (``good``, whose metadata the restore reads) and the copy's device sum matches the record."""
+    from .devicemem import device_sum
+
+    version, total = segment.device_record()
+    if version == -1:
+        return -1, {"version": version, "usable": False, "why": "it holds no sealed version"}
+    if version not in good:
+        return -1, {"version": version, "usable": False, "why": "no good host copy of that version beside it"}
+    if int(device_sum(buf[layout.tensors_offset:])) != total:
+        return -1, {"version": version, "usable": False, "why": "its device sum does not match its record"}
+    return version, {"version": version, "usable": True}
 
 
 def start(job_id: str, node: int, sock_path: str, shm_dir: str = SHM_DIR, timeout_s: float = 30.0):

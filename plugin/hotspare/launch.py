@@ -419,6 +419,8 @@ class Launcher:
                 _log(f"the keeper of node {node} did not stop in {self.spec.term_grace_s} s; killing it")
                 p.kill()
                 p.wait()
+            if p.returncode != 0:
+                keeper.remove_cuda_ipc_files(p.pid)  # a device tier's driver files, which it could not remove
         if self.keepers:
             # A keeper that was killed (its node "lost", in a test) left its segments.
             removed = keeper.remove_stale()

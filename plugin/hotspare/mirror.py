@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import checksum, erasure, faults
+from .devicemem import device_sum
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
 from .transport import Transport
 
@@ -113,6 +114,18 @@ class Snapshots:
 
     def commit(self, slot: int, version: int, chunk_crcs: list[int]) -> None:
         """The CRC-32 of each ``chunk_bytes`` chunk of sealed ``version`` (the round, off the training thread)."""
+
+    device: torch.Tensor | None = None
+    """The keeper's copy on the accelerator (``retain.device_tier``): the capture writes each
+    tensor there too, device to device, on the mirror's stream."""
+
+    def device_begin(self) -> None:
+        """The device copy is about to be overwritten (the training thread, before the copy is issued)."""
+
+    def device_written(self, slot: int, total: torch.Tensor) -> None:
+        """The device copy of the capture into ``slot`` is issued; ``total`` (a 0-d device tensor,
+        ready once the copy's event fired) is its :func:`~hotspare.devicemem.device_sum`, recorded
+        by :meth:`seal`."""
 
     def freeze(self) -> None:
         """No commit after this (the generation failed)."""
@@ -198,6 +211,7 @@ class Mirror:
         self._header_out = torch.zeros(HEADER_LEN, dtype=torch.int64)
         self._ctrl = torch.zeros(2, dtype=torch.int64)  # training thread's agreement ('skip')
         self._ctrl_bg = torch.zeros(2, dtype=torch.int64)  # mirror thread's agreement ('wait')
+        self._device_views: list[torch.Tensor] | None = None  # typed views of snapshots.device
         self.copies = {s: Copy() for s in self.sources}
         if inherit is not None:
             inherit.snapshots.thaw()
@@ -273,6 +287,9 @@ class Mirror:
             write_meta(self._own[slot], self.layout, meta)
             self.snapshots.seal(slot, version, self.generation)  # see retain.py: sealed on the training thread
         else:
+            device = self.snapshots.device
+            if device is not None:
+                self.snapshots.device_begin()
             self._stream.wait_stream(self._acc.current_stream())  # after the step's kernels that wrote the state
             with self._acc.stream(self._stream):
                 for i, (view, (_, src)) in enumerate(zip(self._own_views[slot], named)):
@@ -280,6 +297,12 @@ class Mirror:
                     if src.device.type != "cpu":
                         src.record_stream(self._stream)
                     view.copy_(src.reshape(-1), non_blocking=True)
+                if device is not None:
+                    if self._device_views is None:
+                        self._device_views = self.layout.views(device)
+                    for view, (_, src) in zip(self._device_views, named):
+                        view.copy_(src.reshape(-1), non_blocking=True)
+                    self.snapshots.device_written(slot, device_sum(device[self.layout.tensors_offset:]))
             event = self._acc.Event()
             event.record(self._stream)
             self._copied[slot] = self._fence = event
@@ -310,7 +333,7 @@ class Mirror:
         self._adopt(layout, snapshots, snapshots.versions())
 
     def _adopt(self, layout: Layout, snapshots: Snapshots, versions: list[int]) -> None:
-        self.layout, self.snapshots, self._cuts = layout, snapshots, None
+        self.layout, self.snapshots, self._cuts, self._device_views = layout, snapshots, None, None
         self._own = snapshots.buffers
         self._own_views = [layout.views(b) for b in self._own]
         self._own_version = list(versions)

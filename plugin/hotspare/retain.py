@@ -35,6 +35,12 @@ pass (about 7x a copy's cost) stays off the critical path.
 
 Writes are plain stores into a shared mapping: they survive the writer's death (the page
 cache keeps them), not the node's (tier 2, the peers' mirrors or stripes, covers that).
+
+The keeper's GPU tier (``retain.device_tier``, :mod:`hotspare.devicemem`) keeps one more copy
+of the newest capture's tensors in device memory the keeper owns. Its record lives in this
+segment's header page: (version, device sum, generation), emptied before the device copy is
+issued and written, version last, once the copy's event fired. It counts only beside a complete
+host slot of the same version, whose metadata and RNG states the restore reads.
 """
 from __future__ import annotations
 
@@ -48,10 +54,11 @@ import numpy as np
 from . import faults
 
 SEGMENT_MAGIC = 0x48535253  # "HSRS"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_BYTES = 4096
 # magic, format, rank, layout_id, nbytes (per slot), chunk_bytes, num_chunks, num_slots
 _HEADER = struct.Struct("<8q")
+DEVICE_RECORD_AT = 128  # in the header page: version, device sum, generation (int64 each)
 RECORD_FIELDS = 3  # version, crc32, generation
 EMPTY = -1
 CRC_PENDING = -2
@@ -95,6 +102,7 @@ class RetainedSegment:
         start = HEADER_BYTES + _page_align(rec_bytes)
         stride = _page_align(self.nbytes)
         self._data = [raw[start + i * stride:start + i * stride + self.nbytes] for i in range(self.num_slots)]
+        self.device_rec = raw[DEVICE_RECORD_AT:DEVICE_RECORD_AT + 24].view(np.int64)
         self._slots = None
         self._stop = False
 
@@ -130,6 +138,7 @@ class RetainedSegment:
                           num_slots)
         seg = cls(path, mm)
         seg.records[...] = EMPTY
+        seg.device_rec[...] = EMPTY
         return seg
 
     @classmethod
@@ -180,6 +189,20 @@ class RetainedSegment:
                 return  # overwritten since (a newer update began): its own seal and commit follow
             rec[i, 1] = crc
 
+    def device_begin(self) -> None:
+        """The device copy is about to be overwritten: it counts no more."""
+        self.device_rec[0] = EMPTY
+
+    def device_seal(self, version: int, total: int, generation: int) -> None:
+        """The device copy holds ``version``'s tensors, whose :func:`~hotspare.devicemem.device_sum` is ``total``."""
+        self.device_rec[1] = total
+        self.device_rec[2] = generation
+        self.device_rec[0] = version  # last: the record counts from here on
+
+    def device_record(self) -> tuple[int, int]:
+        """(version, device sum) of the device copy; version EMPTY when it holds none."""
+        return int(self.device_rec[0]), int(self.device_rec[1])
+
     def freeze(self) -> None:
         """No commit writes another record after this (the writer's generation failed)."""
         self._stop = True
@@ -224,7 +247,7 @@ class RetainedSegment:
 
     def close(self) -> None:
         """Unmap (the file stays: it is the keeper's). Views handed out must be gone by now."""
-        self.records = None
+        self.records = self.device_rec = None
         self._data, self._slots = [], []
         try:
             self._mm.close()
@@ -241,12 +264,22 @@ class RetainedSnapshots:
 
     retained = True
 
-    def __init__(self, segment: RetainedSegment, layout):
+    def __init__(self, segment: RetainedSegment, layout, pin_memory: bool = False, device=None):
         if (segment.layout_id, segment.nbytes) != (layout.id, layout.nbytes):
             raise SegmentError(f"{segment.path} holds layout {segment.layout_id:x} ({segment.nbytes} bytes), not this "
                                f"rank's {layout.id:x} ({layout.nbytes} bytes)")
         self.segment = segment
-        self.buffers = list(segment.slots) + [layout.allocate() for _ in range(2 - segment.num_slots)]
+        self.device = device
+        """The keeper's device copy (a uint8 CUDA tensor of the layout's size), or None."""
+        self._device_sum = None  # (slot, 0-d device tensor) of the copy in flight
+        self.buffers = list(segment.slots) + [layout.allocate(pin_memory) for _ in range(2 - segment.num_slots)]
+        # On an accelerator the segment's slots are page-locked in place, so the mirror's
+        # device-to-host capture into them is asynchronous as into its own pinned buffers.
+        self._registered = []
+        if pin_memory:
+            from .snapshot import register_host
+
+            self._registered = [b for b in segment.slots if register_host(b)]
 
     def versions(self) -> list[int]:
         return self.segment.versions_by_slot() + [EMPTY] * (2 - self.segment.num_slots)
@@ -262,6 +295,17 @@ class RetainedSnapshots:
     def seal(self, slot: int, version: int, generation: int) -> None:
         if slot < self.segment.num_slots:
             self.segment.seal(slot, version, generation)
+        if self._device_sum is not None and self._device_sum[0] == slot:
+            total = int(self._device_sum[1])  # the copy's event fired: no wait
+            self._device_sum = None
+            self.segment.device_seal(version, total, generation)
+
+    def device_begin(self) -> None:
+        self._device_sum = None
+        self.segment.device_begin()
+
+    def device_written(self, slot: int, total) -> None:
+        self._device_sum = (slot, total)
 
     def commit(self, slot: int, version: int, chunk_crcs: list[int]) -> None:
         if slot < self.segment.num_slots:
@@ -274,5 +318,12 @@ class RetainedSnapshots:
         self.segment.thaw()
 
     def close(self) -> None:
+        if self._registered:
+            from .snapshot import unregister_host
+
+            for b in self._registered:
+                unregister_host(b)
+            self._registered = []
         self.buffers = []
+        self.device = self._device_sum = None
         self.segment.close()

@@ -215,7 +215,7 @@ class Session:
 
     def _drop_kept(self) -> None:
         if self._kept is not None:
-            self._kept[0].close()
+            self._kept.segment.close()
             self._kept = None
 
     def _report_waiting(self, generation: int, error: BaseException) -> None:
@@ -305,7 +305,7 @@ class Session:
         if self.keeper is None:
             return {}
         try:
-            segment, good, detail = self.keeper.take_over(rank, self.state.layout_for)
+            kept, detail = self.keeper.take_over(rank, self.state.layout_for)
         except KeeperError as exc:
             log(f"rank {rank}: {exc}; restoring from peers")
             return {}
@@ -313,19 +313,21 @@ class Session:
         if detail.get("corrupt_chunks"):
             log(f"rank {rank}: the keeper's copy of version(s) {', '.join(detail['corrupt_chunks'])} fails its "
                  f"checksum (chunks {detail['corrupt_chunks']}); it is not used")
-        if segment is not None:
-            self._kept = (segment, good)
-        return good
+        if detail.get("device", {}).get("why"):
+            log(f"rank {rank}: the keeper's device copy (version {detail['device']['version']}) is not used: "
+                f"{detail['device']['why']}")
+        self._kept = kept
+        return kept.good if kept is not None else {}
 
     def _inherit_kept(self, version: int) -> Inherited | None:
         """A spare: the dead rank's retained segment becomes its own snapshots (the keeper would
         hand it the same one), still holding ``version`` when that is what was restored from it."""
         if self._kept is None:
             return None
-        segment, good = self._kept
-        self._kept = None
+        kept, self._kept = self._kept, None
+        segment, good = kept.segment, kept.good
         layout = self.state.layout_for(segment.layout_id)
-        snapshots = RetainedSnapshots(segment, layout)
+        snapshots = RetainedSnapshots(segment, layout, self.pin_memory, kept.device)
         versions = [version if good.get(version) == slot else NO_VERSION for slot in range(len(snapshots.buffers))]
         for slot, v in enumerate(versions):
             if v == NO_VERSION:
@@ -338,9 +340,15 @@ class Session:
         rank = self.generation.rank
         received, moved = pending.wait()
         first = target.sources[rank][0]
+        on_device = None
         if first == KEEPER:
-            segment, good = self._kept
-            buf, layout, source = segment.slots[good[target.version]], self.state.layout_for(segment.layout_id), "keeper"
+            kept = self._kept
+            buf, layout, source = (kept.segment.slots[kept.good[target.version]],
+                                   self.state.layout_for(kept.segment.layout_id), "keeper")
+            if kept.device_version == target.version:
+                # The tensors from the keeper's device copy (device to device); the metadata and
+                # RNG states from the host slot of the same version.
+                on_device, source = kept.device, "keeper_device"
         elif received is not None:
             (buf, layout), source = received, "stripe" if first == STRIPE else "peers"
         else:
@@ -348,7 +356,7 @@ class Session:
             layout, source = (retained.layout if retained is not None else None), "self"
             if buf is None:
                 raise RecoveryError(f"rank {rank} has no snapshot of version {target.version} to restore")
-        self.state.restore(buf, layout)
+        self.state.restore(buf, layout, tensors_from=on_device)
         self.state.resync()
         return target.version, {"source": source, **moved}
 
@@ -466,7 +474,8 @@ class Session:
                 log(f"rank {gen.rank}: {text}")
                 self.events("retain_budget", note=text)
 
-            snapshots = self.keeper.snapshots_for(gen.rank, mc.chunk_bytes, cfg.retain.budget_bytes, note)
+            snapshots = self.keeper.snapshots_for(gen.rank, mc.chunk_bytes, cfg.retain.budget_bytes, note,
+                                                   self.pin_memory, self.keeper.device_index())
 
         def agree(t: torch.Tensor) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group)
@@ -560,7 +569,11 @@ def default_group_timeout(seconds: float):
             setattr(c10d, name, value)
 
 
-def keeper_for(cfg: HotspareConfig) -> KeeperClient | None:
+def keeper_for(cfg: HotspareConfig, accelerator: str) -> KeeperClient | None:
+    """This process's keeper client; ``accelerator``: DeepSpeed's accelerator name ('cuda', 'cpu', ...)."""
+    if cfg.retain.device_tier and accelerator != "cuda":
+        raise ConfigError(f"hotspare.retain.device_tier=true needs CUDA GPUs, and the accelerator here is "
+                          f"{accelerator!r}: set it to false")
     if not (cfg.retain.keeper and cfg.mirror.enabled):
         return None
     path = os.environ.get(env.HOTSPARE_KEEPER_SOCKET)
@@ -568,7 +581,7 @@ def keeper_for(cfg: HotspareConfig) -> KeeperClient | None:
         log("hotspare.retain.keeper is on, but no keeper runs for this process (start it with hotspare-run): "
              "its state is kept in its own memory and its peers' only")
         return None
-    return KeeperClient(path)
+    return KeeperClient(path, device_tier=cfg.retain.device_tier)
 
 
 def heartbeat_for(cfg: HotspareConfig, store) -> Heartbeat | None:

@@ -56,6 +56,8 @@ class Layout:
             offset = _align(offset + seg.nbytes)
         self.segments = segments
         self.nbytes = offset
+        self.tensors_offset = _align(4 + meta_capacity)
+        """Where the tensors start (the metadata area comes first)."""
         desc = json.dumps([[s.name, str(s.dtype), s.numel, s.offset] for s in segments] + [meta_capacity])
         # A 52-bit id of the layout: a receiver refuses bytes laid out differently.
         self.id = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:8], "little") >> 12
@@ -80,6 +82,29 @@ class Layout:
         """Typed 1-D views of each segment of ``buf`` (made once per buffer)."""
         assert buf.dtype == torch.uint8 and buf.numel() == self.nbytes
         return [buf[s.offset:s.offset + s.nbytes].view(s.dtype) for s in self.segments]
+
+
+def register_host(buf: torch.Tensor) -> bool:
+    """Page-lock ``buf`` where it is (memory this process did not allocate: a keeper's shared
+    mapping), so that device-to-host copies into it run asynchronously. True when it is
+    registered; False where the accelerator has no such call (DeepSpeed's CPU accelerator, or
+    one that is not CUDA/ROCm): copies into ``buf`` are then synchronous, still correct.
+    Undo with :func:`unregister_host` before the memory is unmapped."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cuda" or not torch.cuda.is_available():
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {buf.numel() * buf.element_size()} bytes of shared memory failed "
+                           f"({err}); is the locked-memory limit (ulimit -l) too low? Set hotspare.retain.keeper "
+                           f"to false to keep the mirror's buffers in this process's own pinned memory")
+    return True
+
+
+def unregister_host(buf: torch.Tensor) -> None:
+    """Undo :func:`register_host` (the device must be done with ``buf``)."""
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
 def _align(n: int) -> int:

@@ -61,7 +61,13 @@ def main(out: str, iters: int, roundtrip: int = -1) -> None:
                                 v.mul_(3.0)
             sched.step(12345)
             torch.manual_seed(999)
-            state.restore(snapshot, layout)
+            # As from the keeper's device copy: the tensors from a second buffer, the metadata and
+            # RNG states from the first, whose other tensors are wrecked (they must not be read).
+            on_device = snapshot.clone()
+            for seg, view in zip(layout.segments, layout.views(snapshot)):
+                if not seg.name.startswith("rng."):
+                    view.fill_(7)
+            state.restore(snapshot, layout, tensors_from=on_device)
             state.resync()
             it = roundtrip + 1
         loss = mcore_gpt.train_iteration([model], optimizer, sched, it)

@@ -151,7 +151,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         return session
     session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
     session.state = DeepSpeedState(engine, data_state, load_data_state)
-    session.keeper = keeper_for(hs_config)
+    session.keeper = keeper_for(hs_config, get_accelerator().device_name())
     if hs_config.checkpoint.enabled:
         session.checkpoints = engine.checkpoint_engine = checkpoint.make_engine(
             gen.rank, gen.world_size, hs_config.checkpoint.keep, session.events)
@@ -303,8 +303,10 @@ class DeepSpeedState:
             meta["data"] = _jsonable(self.data_state())
         return meta
 
-    def restore(self, buf: torch.Tensor, layout: Layout) -> None:
+    def restore(self, buf: torch.Tensor, layout: Layout, tensors_from: torch.Tensor | None = None) -> None:
         """Put the state of snapshot ``buf`` (laid out as ``layout``) back into the engine, in place.
+        ``tensors_from``: the same snapshot on the device (the keeper's device copy), read for every
+        tensor but the RNG states.
 
         Tensors are copied into the live fp32 partitions and optimizer state (so every alias
         DeepSpeed holds sees them); counters, param groups, scheduler, loss scaler, RNG states
@@ -313,10 +315,11 @@ class DeepSpeedState:
         self._conform(layout)
         views = {seg.name: v for seg, v in zip(layout.segments, layout.views(buf))}
         meta = read_meta(buf, layout)
+        source = views if tensors_from is None else dict(zip(views, layout.views(tensors_from)))
         with torch.no_grad():  # the fp32 partitions are leaves that require grad
             for name, live in self.tensors():
                 if not name.startswith("rng."):
-                    live.copy_(views[name])
+                    live.copy_(source[name])
         self._apply(meta, views)
 
     def extras(self) -> dict:

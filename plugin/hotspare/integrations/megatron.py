@@ -123,9 +123,11 @@ class MegatronState:
             meta["data"] = self.data_state()
         return meta
 
-    def restore(self, buf: torch.Tensor, layout: Layout) -> None:
+    def restore(self, buf: torch.Tensor, layout: Layout, tensors_from: torch.Tensor | None = None) -> None:
         """Put snapshot ``buf`` back: shards and optimizer state in place (every alias sees
-        them), RNG states, the scheduler, the data position. :meth:`resync` must follow."""
+        them), RNG states, the scheduler, the data position. :meth:`resync` must follow.
+        ``tensors_from``: the same snapshot on the device (the keeper's device copy), read for
+        every tensor but the RNG states."""
         self._conform(layout)
         live = self.tensors()
         if not layout.matches(live):
@@ -134,10 +136,11 @@ class MegatronState:
                                f"or optimizer differs from the rank it replaces")
         views = {seg.name: v for seg, v in zip(layout.segments, layout.views(buf))}
         meta = read_meta(buf, layout)
+        source = views if tensors_from is None else dict(zip(views, layout.views(tensors_from)))
         with torch.no_grad():
             for name, tensor in live:
                 if not name.startswith("rng."):
-                    tensor.copy_(views[name])
+                    tensor.copy_(source[name])
         self._apply(meta, views)
 
     def extras(self) -> dict:
@@ -485,7 +488,7 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
     if hs is None or not hs.enabled:
         return session
     session.events = EventLog(hs.events_dir, gen.rank, gen.index)
-    session.keeper = keeper_for(hs)
+    session.keeper = keeper_for(hs, "cuda" if torch.cuda.is_available() else "cpu")
     if spare:
         session._join_as_spare(order.plan, order.rank, order.t_order)
     elif gen.world_size > 1:
