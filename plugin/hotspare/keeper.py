@@ -73,19 +73,15 @@ def _is_live_keeper(pid: int) -> bool:
 CUDA_IPC_RE = re.compile(r"^cuda\.shm\.\d+\.(?P<pid>[0-9a-f]+)\.\d+$")
 
 
-def remove_cuda_ipc_files(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink the files the CUDA driver made in /dev/shm for process ``pid``'s IPC exports
-    (``cuda.shm.<uid>.<pid, hex>.<n>``; seen on an H200 with CUDA 13: left behind when the
-    exporting process exits). A keeper with a device tier calls it for itself as it stops, the
-    launcher for a keeper it had to kill."""
+def _unlink_matching(shm_dir: str, doomed) -> list[str]:
+    """Unlink each file of ``shm_dir`` whose name ``doomed(name)`` accepts; returns their names."""
     removed = []
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return removed
     for name in names:
-        m = CUDA_IPC_RE.match(name)
-        if m is not None and int(m["pid"], 16) == pid:
+        if doomed(name):
             try:
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)
@@ -94,23 +90,25 @@ def remove_cuda_ipc_files(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
+def remove_cuda_ipc_files(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the files the CUDA driver made in /dev/shm for process ``pid``'s IPC exports
+    (``cuda.shm.<uid>.<pid, hex>.<n>``; seen on an H200 with CUDA 13: left behind when the
+    exporting process exits). A keeper with a device tier calls it for itself as it stops, the
+    launcher for a keeper it had to kill."""
+    def doomed(name: str) -> bool:
+        m = CUDA_IPC_RE.match(name)
+        return m is not None and int(m["pid"], 16) == pid
+
+    return _unlink_matching(shm_dir, doomed)
+
+
 def remove_stale(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink every hotspare segment whose keeper is gone; returns the names removed."""
-    removed = []
-    try:
-        names = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return removed
-    for name in names:
+    def doomed(name: str) -> bool:
         m = NAME_RE.match(name)
-        if m is None or _is_live_keeper(int(m["pid"])):
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    return removed
+        return m is not None and not _is_live_keeper(int(m["pid"]))
+
+    return _unlink_matching(shm_dir, doomed)
 
 
 @dataclass
