@@ -393,6 +393,11 @@ class Mirror:
             self._agree(self._ctrl, busy=False)
         return self.global_committed
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, for the round in flight to end; True when it did. Its
+        error, if any, is left for the next :meth:`on_step` to raise."""
+        return self._idle.wait(timeout_s)
+
     def _wait_idle(self, timeout_s: float | None = None) -> None:
         limit = self.timeout_s * 2 if timeout_s is None else timeout_s
         if not self._idle.wait(limit):

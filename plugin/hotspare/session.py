@@ -288,6 +288,13 @@ class Session:
         self._start_mirror(data_group, control_group, lambda: (
             retained.hand_over(version) if retained is not None else self._inherit_kept(version)))
         self._drop_kept()
+        if self.mirror is not None:
+            # The landing version reaches the other nodes before training goes on: a spare restored
+            # from its node's keeper, or a survivor from its own snapshot, may hold the only copy
+            # of it, on a node the next failure can take (the holders' copies may be older).
+            t3 = time.monotonic()
+            self.mirror.settle(cfg.mirror.timeout_s)
+            phases["protect_s"] = time.monotonic() - t3
         phases["total_s"] = time.monotonic() - t0
         if self.heartbeat is not None:
             self.heartbeat.watch(gen.index, self._superseded)
