@@ -173,7 +173,8 @@ class Injector:
 
     def _mine(self, phase: str, step: int, micro: int | None = None) -> Fault | None:
         for f in self.faults:
-            if (f.phase == phase and f.step == step and (micro is None or f.micro == micro)
+            # ``corrupt`` faults are after_step's alone (every rank takes part in them).
+            if (f.phase == phase and f.step == step and (micro is None or f.micro == micro) and f.kind != "corrupt"
                     and str(f) not in self.fired and self._targets(f)):
                 self.fired.append(str(f))
                 if f.rank == SPARE and not first_spare(f, self.session.store):
@@ -236,7 +237,9 @@ class Injector:
                 copy = mirror.copies[target]
                 _flip(copy.committed)
                 _flip(copy.incoming)  # the version before, kept until the next round
-            if self._targets(f):
+            # A spare-targeted fault strikes the first spare that reaches it, not each spare that
+            # replaces the one it killed and replays the step.
+            if self._targets(f) and (f.rank != SPARE or first_spare(f, self.session.store)):
                 self.fired.append(str(f))
                 if f.phase == "keeper" and mirror.snapshots is not None and hasattr(mirror.snapshots, "segment"):
                     for slot in mirror.snapshots.segment.slots:
