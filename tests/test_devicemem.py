@@ -15,7 +15,7 @@ from hotspare import devicemem
 from hotspare.config import ConfigError, HotspareConfig, from_mapping
 from hotspare.keeper import check_device
 from hotspare.retain import EMPTY, RetainedSegment, RetainedSnapshots
-from hotspare.session import keeper_for
+from hotspare.startup import keeper_for
 from hotspare.snapshot import Layout
 
 

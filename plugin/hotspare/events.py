@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 
@@ -38,3 +39,8 @@ class EventLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def log(msg: str) -> None:
+    """A line for the person watching the job (stderr), next to the JSON events."""
+    print(f"[hotspare] {msg}", file=sys.stderr, flush=True)

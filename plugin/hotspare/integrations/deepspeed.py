@@ -24,8 +24,8 @@ from ..config import split_deepspeed_config, to_mapping
 from ..events import EventLog
 from ..generation import Generation
 from ..recovery import RecoveryError
-from ..session import (Session, await_takeover, default_group_timeout, heartbeat_for, join_from_env, keeper_for,
-                       node_ranks)
+from ..session import Session
+from ..startup import await_takeover, default_group_timeout, heartbeat_for, join_from_env, keeper_for, node_ranks
 from ..snapshot import Layout, read_meta
 from ..worker import role
 

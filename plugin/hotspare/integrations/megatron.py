@@ -44,7 +44,8 @@ from ..config import DEEPSPEED_SECTION, ConfigError, HotspareConfig, from_mappin
 from ..events import EventLog
 from ..generation import Generation
 from ..recovery import RecoveryError
-from ..session import Session, await_takeover, gather_ints, heartbeat_for, join_from_env, keeper_for
+from ..session import Session
+from ..startup import await_takeover, gather_ints, heartbeat_for, join_from_env, keeper_for
 from ..snapshot import Layout, read_meta
 from ..worker import role
 
