@@ -30,7 +30,9 @@ JSON: for each way ``detect_s``, ``rebuild_s``, ``restore_s``, ``recompute_s``, 
 ``lost_iterations``; top level ``speedup`` (deepspeed_restart, or megatron_restart, / hotspare total),
 ``speedup_vs_memory_restart``, ``keeper_speedup`` (deepspeed_restart / keeper total),
 ``stripe_speedup`` (against the 4-rank restart: the stripe job has k+m ranks) and
-``bitwise_identical`` (every in-place run against an uninterrupted one of its size). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
+``bitwise_identical`` (every in-place run against an uninterrupted one of its size). The in-place
+ways also write ``protect_s`` (the wait for the first mirror round after the restore) and
+``plan_wait_s`` (the rest of fault-seen-to-resume: waiting for the coordinator's plan). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
 """
 from __future__ import annotations
 
@@ -148,10 +150,12 @@ def run_hotspare(job, bench, out_dir, keeper: bool, lose_node: bool = False) -> 
     restore = max(e["seconds"] for e in events if e["kind"] == "restore")
     version = min(e["version"] for e in events if e["kind"] == "resume")
     restores = [e for e in events if e["kind"] == "restore"]
+    # The wait for the first round after the restore (the landing version copied to the holders).
+    protect = max((e.get("protect_s", 0.0) for e in events if e["kind"] == "resume"), default=0.0)
     back = _regained(ranks, fault["step"]) if version < fault["step"] else resumed
     detect = min(seen) - fault["t"]
     return {"detect_s": detect, "rebuild_s": rebuild, "restore_s": restore,
-            "plan_wait_s": resumed - min(seen) - rebuild - restore,
+            "protect_s": protect, "plan_wait_s": resumed - min(seen) - rebuild - restore - protect,
             "recompute_s": back - resumed, "total_s": back - fault["t"],
             "lost_iterations": fault["step"] - version, "landing_step": version,
             "network_bytes": sum(e["bytes_in"] for e in restores),

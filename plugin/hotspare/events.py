@@ -2,6 +2,7 @@
 
 One file per rank (``events.rank<R>.jsonl``) under the configured directory; recipes merge
 them into timelines. Writing is line-buffered and thread-safe (the mirror thread logs too).
+:func:`log` writes the human-readable line (stderr) that goes with them.
 """
 from __future__ import annotations
 

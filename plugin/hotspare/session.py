@@ -288,16 +288,24 @@ class Session:
         self._start_mirror(data_group, control_group, lambda: (
             retained.hand_over(version) if retained is not None else self._inherit_kept(version)))
         self._drop_kept()
+        if self.heartbeat is not None:
+            # Before the wait below: a node lost during it breaks this generation's connections
+            # at once, rather than after the round's transfer timeout.
+            self.heartbeat.watch(gen.index, self._superseded)
         if self.mirror is not None:
             # The landing version reaches the other nodes before training goes on: a spare restored
             # from its node's keeper, or a survivor from its own snapshot, may hold the only copy
             # of it, on a node the next failure can take (the holders' copies may be older).
             t3 = time.monotonic()
-            self.mirror.settle(cfg.mirror.timeout_s)
+            protected = self.mirror.settle(cfg.mirror.timeout_s) and self.mirror.error is None
             phases["protect_s"] = time.monotonic() - t3
+            if not protected:
+                # The round's error (if any) is raised by the next step, which recovers again.
+                why = self.mirror.error or f"it did not end within mirror.timeout_s={cfg.mirror.timeout_s} s"
+                log(f"rank {rank}: the landing version {version} is not yet on another node: its first round "
+                    f"failed ({why})")
+                self.events("unprotected", version=version, error=str(why)[:500])
         phases["total_s"] = time.monotonic() - t0
-        if self.heartbeat is not None:
-            self.heartbeat.watch(gen.index, self._superseded)
         summary = {"generation": gen.index, "version": version, "replaced": plan.replaced,
                    "failures": plan.failures, **phases}
         self.recoveries.append(summary)

@@ -231,7 +231,12 @@ class Injector:
             mirror = self.session.mirror
             if mirror is None:
                 continue
-            mirror.flush()  # the step's round is complete everywhere: its copies are committed
+            if self.session.spare:
+                # Alone here (the others passed this step before it took over): no agreement
+                # collective they would not join ('skip' mode), just its own round to end.
+                mirror.settle(mirror.timeout_s)
+            else:
+                mirror.flush()  # the step's round is complete everywhere: its copies are committed
             target = self.session.generation.rank if f.rank == SPARE else f.rank
             if f.phase == "mirror" and target in mirror.copies:
                 copy = mirror.copies[target]
