@@ -405,3 +405,26 @@ def test_the_next_generation_keeps_the_copies_of_the_landing_version_until_its_f
     copies = mirrors[0].hand_over(3).copies
     assert {s: c.version for s, c in copies.items()} == {s: 3 for s in mirrors[0].sources}
     assert all(c.previous_version == NO_VERSION for c in copies.values())
+
+
+def test_settle_waits_for_the_round_is_bounded_and_leaves_its_error_for_the_next_step():
+    """What a recovery's wait for its first round (Session._take_part, phase protect_s) relies on."""
+    fabric, holders, mirrors = build(n=2, chunk_bytes=1000)
+    m0, m1 = mirrors
+    try:
+        run_ranks(2, lambda r: mirrors[r].on_step(1, lambda: make_state(r, 1), dict))
+        assert m0.settle(5) and m1.settle(5)  # no agreement of its own: just the round's end
+        assert m1.copies[0].version == 1 and m0.copies[1].version == 1 and m0.error is None
+
+        # Rank 0 is alive but does not take part in round 2: the wait gives up at its bound.
+        m1.on_step(2, lambda: make_state(1, 2), dict)
+        assert not m1.settle(0.2)
+        # Then rank 0 dies: the round fails, the wait returns, the error waits for the next step.
+        fabric.cut(0)
+        assert m1.settle(10) and m1.error is not None
+        with pytest.raises(MirrorError, match="mirroring stopped"):
+            m1.on_step(3, lambda: make_state(1, 3), dict)
+        assert m1.copies[0].version == 1  # nothing of the failed round committed
+    finally:
+        for m in mirrors:
+            m.close()
