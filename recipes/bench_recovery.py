@@ -31,8 +31,10 @@ JSON: for each way ``detect_s``, ``rebuild_s``, ``restore_s``, ``recompute_s``, 
 ``speedup_vs_memory_restart``, ``keeper_speedup`` (deepspeed_restart / keeper total),
 ``stripe_speedup`` (against the 4-rank restart: the stripe job has k+m ranks) and
 ``bitwise_identical`` (every in-place run against an uninterrupted one of its size). The in-place
-ways also write ``protect_s`` (the wait for the first mirror round after the restore) and
-``plan_wait_s`` (the rest of fault-seen-to-resume: waiting for the coordinator's plan). All times come from one clock (CLOCK_MONOTONIC, shared by the processes).
+ways also write ``protect_s`` (the wait for the first mirror round after the restore: with a
+stripe only, 0 with full mirror copies) and ``plan_wait_s`` (the rest of fault-seen-to-resume:
+waiting for the coordinator's plan). All times come from one clock (CLOCK_MONOTONIC, shared by
+the processes).
 """
 from __future__ import annotations
 

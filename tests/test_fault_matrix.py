@@ -91,11 +91,12 @@ def test_one_case_of_each_fault_kind_ends_acceptably(tmp_path, no_leaks):
 
 
 def test_a_spares_node_lost_right_after_it_took_over_from_its_keeper_is_recovered(tmp_path, no_leaks):
-    """Rank 1 is killed, its node's spare restores it from the keeper at the newest version (its
-    holder on the other node has only the one before), then that whole node is lost at the next
-    step's forward. Every rank waits for the new generation's first round to copy the landing
-    version to the holders before training goes on, so the other node still has every rank's
-    state: recovered, bitwise (this case stopped the job before that wait)."""
+    """Rank 1 is killed, its node's spare restores it from the keeper at the newest version V (its
+    holder on the other node has only V-1), then that whole node is lost at the next step's
+    forward, usually before the new generation's first round has copied V to the other node.
+    That round never writes over V-1 (Mirror.seed), and the survivors keep their own V-1, so
+    the job lands on V (the round ended first) or V-1: recovered, bitwise, at most one
+    iteration lost (this case once stopped the job: the recovery kept V only)."""
     case = "zero2/kill@forward:1:3+node@forward:spare:3"
     out = tmp_path / "f.json"
     proc = subprocess.run([sys.executable, os.path.join(RECIPES, "fault_matrix.py"), f"out={out}", "spares=2",
@@ -103,7 +104,7 @@ def test_a_spares_node_lost_right_after_it_took_over_from_its_keeper_is_recovere
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     [row] = json.loads(out.read_text())["rows"]
-    assert row["outcome"] == "recovered" and row["bitwise_identical"] is True, row
+    assert row["outcome"] == "recovered" and row["bitwise_identical"] is True and row["lost_iterations"] <= 1, row
     events = [json.loads(line) for path in (tmp_path / "case000" / "events").glob("*.jsonl")
               for line in path.read_text().splitlines()]
     assert events and any(e["kind"] == "restore" and e.get("source") == "keeper" for e in events)

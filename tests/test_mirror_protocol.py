@@ -218,10 +218,10 @@ def test_in_flight_policy_is_counted(policy):
     gate = threading.Event()
     real_round = mirrors[1]._round
 
-    def slow_round(version, slot):
+    def slow_round(version, slot, *skips):
         if version == 1:
             gate.wait(5)  # round 1 is still in flight when step 2 ends
-        real_round(version, slot)
+        real_round(version, slot, *skips)
 
     mirrors[1]._round = slow_round
 
@@ -368,43 +368,94 @@ def test_a_stripe_round_leaves_shares_that_rebuild_every_source_without_its_node
             mm.close()
 
 
-def test_the_next_generation_keeps_the_copies_of_the_landing_version_until_its_first_round():
-    """After a recovery lands on version V, each holder's copy of V goes over to the new mirror
-    (a failure right after the recovery still finds every rank's state on another node); a copy of
-    a later version, from the timeline the job rolled back from, does not."""
-    fabric, holders, mirrors = build(n=2)
+def _rounds(mirrors, r, versions):
+    for v in versions:
+        state = make_state(r, v)
+        mirrors[r].on_step(v, lambda: state, lambda: {"v": v})
+    mirrors[r].flush()
 
-    def rounds(r, versions):
-        for v in versions:
-            m = mirrors[r]
-            state = make_state(r, v)
-            m.on_step(v, lambda: state, lambda: {"v": v})
-        mirrors[r].flush()
 
-    run_ranks(2, lambda r: rounds(r, range(1, 4)))  # copies of 3 committed, 2 kept as the previous
-    for m in mirrors:
-        assert m.stop()
-    old = mirrors
-    digests = [committed_digest(m, s) for m in old for s in m.sources]
-    inherited = [m.hand_over(3) for m in old]
-    assert all(set(i.copies) == set(m.sources) and all(c.version == 3 for c in i.copies.values())
-               for i, m in zip(inherited, old))
-    # The new generation's mirrors hold the copies of 3 before any round of theirs.
+def _next_generation(old, holders, keep):
+    """Stop ``old`` (a failure), hand its buffers over at ``keep``, and make generation 1's mirrors."""
+    for m in old:
+        m.join(10)
+        m.stop()
+    inherited = [m.hand_over(keep) for m in old]
     fabric = LocalFabric()
-    control = ThreadAllReduceMin(2)
-    new = [Mirror(r, 1, holders, fabric.endpoint(r), control, timeout_s=5, inherit=inherited[r]) for r in range(2)]
-    assert [new[r].holdings()[1] for r in range(2)] == [{s: frozenset({3}) for s in m.sources} for m in old]
-    assert [committed_digest(m, s) for m in new for s in m.sources] == digests
-    for m in new:
-        m.close()
+    control = ThreadAllReduceMin(len(old))
+    return fabric, [Mirror(r, 1, holders, fabric.endpoint(r), control, timeout_s=5, inherit=inherited[r])
+                    for r in range(len(old))]
+
+
+def test_the_next_generation_keeps_the_landing_version_and_the_one_before_and_resends_neither():
+    """After a recovery lands on version V, each rank's own snapshots and each holder's copies of
+    V and older go over to the new mirror; a copy of a later version, from the timeline the job
+    rolled back from, does not. The first round (Mirror.seed) goes out from the inherited
+    snapshot of V and moves nothing to a holder that holds V already, so V-1 stays everywhere."""
+    _, holders, mirrors = build(n=2)
+    run_ranks(2, lambda r: _rounds(mirrors, r, range(1, 4)))  # copies of 3 committed, 2 the previous
+    digests = [committed_digest(m, s) for m in mirrors for s in m.sources]
+    own3 = [m.own_snapshot(3).clone() for m in mirrors]
+    _, new = _next_generation(mirrors, holders, keep=3)
+    try:
+        assert [m.holdings() for m in new] == [(frozenset({2, 3}), {1 - r: frozenset({2, 3})}) for r in range(2)]
+        assert [committed_digest(m, s) for m in new for s in m.sources] == digests
+
+        def first_round(r):
+            state = make_state(r, 3)
+            new[r].seed(3, lambda: state, lambda: {"v": 3}, held_by=[1 - r], held_from=[1 - r])
+            new[r].flush()
+
+        run_ranks(2, first_round)
+        assert [m.stats.bytes_sent for m in new] == [0, 0] and all(m.global_committed == 3 for m in new)
+        assert [m.holdings() for m in new] == [(frozenset({2, 3}), {1 - r: frozenset({2, 3})}) for r in range(2)]
+        assert all(torch.equal(m.own_snapshot(3), o) for m, o in zip(new, own3))  # no capture over it
+        run_ranks(2, lambda r: _rounds(new, r, [4]))  # the next round writes over 2, not over 3
+        assert [m.holdings() for m in new] == [(frozenset({3, 4}), {1 - r: frozenset({3, 4})}) for r in range(2)]
+    finally:
+        for m in new:
+            m.close()
     # A holder that had committed version 4 (rolled back from) hands over only 3, from its previous copy.
-    fabric, holders, mirrors = build(n=2)
-    run_ranks(2, lambda r: rounds(r, range(1, 5)))
+    _, holders, mirrors = build(n=2)
+    run_ranks(2, lambda r: _rounds(mirrors, r, range(1, 5)))
     for m in mirrors:
         m.stop()
-    copies = mirrors[0].hand_over(3).copies
-    assert {s: c.version for s, c in copies.items()} == {s: 3 for s in mirrors[0].sources}
-    assert all(c.previous_version == NO_VERSION for c in copies.values())
+    inherited = mirrors[0].hand_over(3)
+    assert {s: (c.version, c.previous_version) for s, c in inherited.copies.items()} == {1: (3, NO_VERSION)}
+    assert sorted(inherited.versions) == [NO_VERSION, 3]
+    for m in mirrors:
+        m.close()
+
+
+def test_a_failure_during_the_first_round_after_a_recovery_finds_the_version_before():
+    """The window a recovery leaves open: it landed on V, which some rank holds only itself (a
+    survivor's own snapshot, or a spare's node keeper), and that rank's node is lost before the
+    new generation's first round has put V on another node. The holders still hold V-1 of every
+    rank, and every survivor its own V-1, so the job lands there instead of stopping."""
+    from hotspare.planning import SELF, Holdings, choose_version
+
+    fabric, holders, mirrors = build(n=2)
+    run_ranks(2, lambda r: _rounds(mirrors, r, range(1, 3)))
+    fabric.cut(1)  # rank 1 dies as round 3 starts: 3 is in the ranks' own snapshots only
+    for r, m in enumerate(mirrors):
+        state = make_state(r, 3)
+        m.on_step(3, lambda: state, lambda: {"v": 3})
+    lost_2 = mirrors[1].own_snapshot(2).clone()
+    fabric, new = _next_generation(mirrors, holders, keep=3)
+    try:
+        assert new[0].holdings() == (frozenset({2, 3}), {1: frozenset({1, 2})})
+        state = make_state(0, 3)
+        new[0].seed(3, lambda: state, lambda: {"v": 3})  # rank 0 holds no copy of 3: a full round
+        fabric.cut(1)  # rank 1's node is lost before its 3 reached rank 0
+        assert new[0].settle(10) and new[0].error is not None
+        new[0].stop()
+        own, held = new[0].holdings()
+        plan = choose_version([Holdings(own=own, held=held), Holdings()], new_ranks=[1])
+        assert plan.version == 2 and plan.sources == {0: (SELF,), 1: (0,)}
+        assert torch.equal(new[0].held_copy(1, 2)[1], lost_2)
+    finally:
+        for m in new:
+            m.close()
 
 
 def test_settle_waits_for_the_round_is_bounded_and_leaves_its_error_for_the_next_step():

@@ -34,7 +34,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -147,9 +147,10 @@ class Inherited:
     versions: list[int]
     """The version each buffer holds (NO_VERSION: free to overwrite)."""
     copies: dict[int, Copy] = field(default_factory=dict)
-    """Full copies of other ranks' state at the landing version that this rank held: kept until
-    the new generation's first round replaces them, so that a failure right after a recovery
-    (before that round commits) still finds every rank's state on another node."""
+    """Full copies of other ranks' state at the landing version or older that this rank held:
+    the new generation's first round sends the landing version only where it is not held yet,
+    and never over the version before it, so that a failure during that round still finds every
+    rank's state on another node (see :meth:`Mirror.seed`)."""
 
 
 class PrivateSnapshots(Snapshots):
@@ -256,7 +257,33 @@ class Mirror:
         slot = self._capture(version, tensors(), meta())
         self.stats.capture_s += time.perf_counter() - t0
         self._idle.clear()
-        self._rounds.put((version, slot))
+        self._rounds.put((version, slot, frozenset(), frozenset()))
+
+    def seed(self, version: int, tensors: Callable[[], list], meta: Callable[[], dict], *, reuse: bool = True,
+             held_by: Collection[int] = (), held_from: Collection[int] = ()) -> None:
+        """A new generation's first round, of the state as it is now (``version``), called on every
+        rank right after the mirror is made. With ``reuse`` it goes out from the inherited snapshot
+        of ``version`` when this rank has one (the state was restored from it): nothing is
+        captured, so the buffer of the version before stays as it is. ``held_by``: this rank's
+        holders that hold its ``version`` already; ``held_from``: the sources whose ``version``
+        this rank holds already (the recovery's holdings exchange, the same on every rank): no
+        transfer between them in this round, so the copy before it is not overwritten either.
+        Until the round ends, a failure still finds ``version``, or the version before, of every
+        rank on another node."""
+        if not self.enabled:
+            return
+        named = tensors()
+        if reuse and self.layout is not None and self.layout.matches(named) and version in self._own_version:
+            slot = self._own_version.index(version)
+        else:
+            t0 = time.perf_counter()
+            slot = self._capture(version, named, meta())
+            self.stats.capture_s += time.perf_counter() - t0
+        skip_to, skip_from = frozenset(held_by), frozenset(held_from)
+        if self.stripe is not None and (skip_to or skip_from):
+            raise ValueError("a stripe's first round sends every share: held_by/held_from are for full copies")
+        self._idle.clear()
+        self._rounds.put((version, slot, skip_to, skip_from))
 
     def _agree(self, ctrl: torch.Tensor, busy: bool) -> bool:
         """One MIN all-reduce of [-busy, min committed over my sources] on the control group.
@@ -340,12 +367,14 @@ class Mirror:
 
     def hand_over(self, keep: int) -> Inherited | None:
         """After :meth:`stop` and the restore: this mirror's own buffers for the next generation's
-        mirror, still holding the snapshot of ``keep`` (the version landed on); every other buffer
-        is marked free (a retained one loses its records too). None when there are none, or when
-        the background thread still runs (it could touch them); the buffers are then kept here."""
+        mirror, still holding every snapshot of ``keep`` (the version landed on) or older: those
+        are of the timeline the job goes on with, and the one before ``keep`` is where a failure
+        during the next generation's first round lands. A buffer of a later version is marked
+        free (a retained one loses its records too). None when there are none, or when the
+        background thread still runs (it could touch them); the buffers are then kept here."""
         if self.snapshots is None or self._thread.is_alive():
             return None
-        versions = [v if v == keep else NO_VERSION for v in self._own_version]
+        versions = [v if v <= keep else NO_VERSION for v in self._own_version]
         for slot, v in enumerate(versions):
             if v == NO_VERSION:
                 self.snapshots.begin(slot)
@@ -355,18 +384,21 @@ class Mirror:
         return out
 
     def _copies_of(self, keep: int) -> dict[int, Copy]:
-        """The full copies this rank holds of version ``keep``, each as a copy committed at ``keep``
-        with nothing else in it (a later version a survivor had committed is of a timeline the job
-        just rolled back from: it must never be reported again)."""
+        """The full copies this rank holds of version ``keep`` or older, each source's newest as
+        the committed copy and the one before it, if any, as the previous (a later version a
+        survivor had committed is of a timeline the job just rolled back from: it must never be
+        reported again, and its buffer is the one the next round writes)."""
         if self.stripe is not None:
             return {}
         out = {}
         for src, c in self.copies.items():
-            if c.version == keep and c.committed is not None:
-                out[src] = Copy(committed=c.committed, incoming=c.incoming, version=keep,
-                                committed_header=c.committed_header)
-            elif c.previous_version == keep and c.incoming is not None and c.previous_header is not None:
-                out[src] = Copy(committed=c.incoming, incoming=c.committed, version=keep,
+            if c.committed is not None and NO_VERSION != c.version <= keep:
+                prev = c.previous_version if c.incoming is not None and c.previous_header is not None else NO_VERSION
+                out[src] = Copy(committed=c.committed, incoming=c.incoming, version=c.version,
+                                committed_header=c.committed_header, previous_version=prev,
+                                previous_header=c.previous_header if prev != NO_VERSION else None)
+            elif NO_VERSION != c.previous_version <= keep and c.incoming is not None and c.previous_header is not None:
+                out[src] = Copy(committed=c.incoming, incoming=c.committed, version=c.previous_version,
                                 committed_header=c.previous_header)
         return out
 
@@ -497,9 +529,9 @@ class Mirror:
             item = self._rounds.get()  # blocks without polling; close() sends None
             if item is None or self._stop.is_set():
                 return
-            version, slot = item
+            version, slot, skip_to, skip_from = item
             try:
-                self._round(version, slot)
+                self._round(version, slot, skip_to, skip_from)
             except BaseException as exc:  # noqa: BLE001 - reported to the training thread
                 self.error = exc
                 self.on_event("mirror_failed", version=version, error=str(exc))
@@ -507,27 +539,33 @@ class Mirror:
                 return
             self._idle.set()
 
-    def _round(self, version: int, slot: int) -> None:
+    def _round(self, version: int, slot: int, skip_to: frozenset = frozenset(),
+               skip_from: frozenset = frozenset()) -> None:
+        """One round of ``version`` from ``slot``; ``skip_to``/``skip_from``: holders and sources
+        that hold it already (a generation's first round, see :meth:`seed`)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         buf = self._own[slot]
         if self._stream is not None:
             self._copy_landed(slot)
             self.snapshots.seal(slot, version, self.generation)  # only once its bytes are all there
-        pieces = self._checksums(buf)
+        holders = [h for h in self.holders if h not in skip_to]
+        pieces = self._checksums(buf) if holders or self.snapshots.chunk_bytes is not None else None
         if self.snapshots.chunk_bytes is not None:
             self.snapshots.commit(slot, version, pieces.grid(self.snapshots.chunk_bytes))
         sends = []
         if self.stripe is None:
-            header = Header(self.generation, version, self.rank, buf.numel(), pieces.whole(), self.layout.id)
-            header.to_tensor(self._header_out)
-            for dst in self.holders:
+            if holders:
+                header = Header(self.generation, version, self.rank, buf.numel(), pieces.whole(), self.layout.id)
+                header.to_tensor(self._header_out)
+            for dst in holders:
                 sends.append(self.transport.send(self._header_out, dst, TAG_HEADER))
                 sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._chunks(buf))
-            sent = buf.numel() * len(self.holders)
+            sent = buf.numel() * len(holders)
         else:
             sends, sent = self._send_shares(version, buf, pieces) if self.holders else ([], 0)
         for src in self.sources:
-            self._receive(src, version)
+            if src not in skip_from:
+                self._receive(src, version)
         for h in sends:
             h.wait(self.timeout_s)
         if self.in_flight == "wait":

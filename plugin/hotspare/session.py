@@ -276,9 +276,11 @@ class Session:
         agreed = [version, self.step_count()]
         if self.same_layout_everywhere:
             agreed.append(Layout.of(self.state.tensors()).id & 0xFFFFFFFF)
+        t_agree = time.monotonic()
         agree_on(control_group, agreed)
         phases["restore_s"] = time.monotonic() - t2
-        self.events("restore", version=version, seconds=phases["restore_s"], **detail)
+        self.events("restore", version=version, seconds=phases["restore_s"], agree_s=time.monotonic() - t_agree,
+                    **detail)
 
         if retained is not None:
             retained.transport.close()
@@ -286,16 +288,18 @@ class Session:
         # segment) carry on: taken at the last moment, so that a failure before it leaves them
         # where a retry of this recovery finds them.
         self._start_mirror(data_group, control_group, lambda: (
-            retained.hand_over(version) if retained is not None else self._inherit_kept(version)))
+            retained.hand_over(version) if retained is not None else self._inherit_kept(version)),
+            landing=(version, holdings) if lost is None else None)
         self._drop_kept()
         if self.heartbeat is not None:
-            # Before the wait below: a node lost during it breaks this generation's connections
-            # at once, rather than after the round's transfer timeout.
             self.heartbeat.watch(gen.index, self._superseded)
-        if self.mirror is not None:
-            # The landing version reaches the other nodes before training goes on: a spare restored
-            # from its node's keeper, or a survivor from its own snapshot, may hold the only copy
-            # of it, on a node the next failure can take (the holders' copies may be older).
+        if self.mirror is not None and (lost is not None or self.mirror.stripe is not None
+                                        or cfg.retain.tier2 == "stripe"):
+            # A full mirror's first round never writes over the version before the landing one
+            # (Mirror.seed), so a failure during it lands there. A stripe's shares and a
+            # checkpoint's landing version are not carried over that way: the landing version
+            # reaches the other nodes before training goes on (a spare restored from its node's
+            # keeper, or a survivor from its own snapshot, may hold its only copy).
             t3 = time.monotonic()
             protected = self.mirror.settle(cfg.mirror.timeout_s) and self.mirror.error is None
             phases["protect_s"] = time.monotonic() - t3
@@ -336,14 +340,16 @@ class Session:
 
     def _inherit_kept(self, version: int) -> Inherited | None:
         """A spare: the dead rank's retained segment becomes its own snapshots (the keeper would
-        hand it the same one), still holding ``version`` when that is what was restored from it."""
+        hand it the same one), still holding each verified version up to ``version`` (the one
+        landed on: the state was restored from it, or from a peer's copy of it)."""
         if self._kept is None:
             return None
         kept, self._kept = self._kept, None
         segment, good = kept.segment, kept.good
         layout = self.state.layout_for(segment.layout_id)
         snapshots = RetainedSnapshots(segment, layout, self.pin_memory, kept.device)
-        versions = [version if good.get(version) == slot else NO_VERSION for slot in range(len(snapshots.buffers))]
+        by_slot = {slot: v for v, slot in good.items() if v <= version}
+        versions = [by_slot.get(slot, NO_VERSION) for slot in range(len(snapshots.buffers))]
         for slot, v in enumerate(versions):
             if v == NO_VERSION:
                 snapshots.begin(slot)
@@ -371,9 +377,11 @@ class Session:
             layout, source = (retained.layout if retained is not None else None), "self"
             if buf is None:
                 raise RecoveryError(f"rank {rank} has no snapshot of version {target.version} to restore")
+        t0 = time.monotonic()
         self.state.restore(buf, layout, tensors_from=on_device)
+        t1 = time.monotonic()
         self.state.resync()
-        return target.version, {"source": source, **moved}
+        return target.version, {"source": source, **moved, "load_s": t1 - t0, "resync_s": time.monotonic() - t1}
 
     def _fall_back(self, lost: NoConsistentVersion, control_group) -> tuple[int, dict]:
         """Every in-memory copy of some rank is gone: load the newest complete persistent checkpoint
@@ -450,10 +458,12 @@ class Session:
         self.groups = (data_group, control_group)
         return data_group, control_group
 
-    def _start_mirror(self, data_group, control_group,
-                      inherit: Callable[[], Inherited | None] = lambda: None) -> None:
+    def _start_mirror(self, data_group, control_group, inherit: Callable[[], Inherited | None] = lambda: None,
+                      landing: tuple[int, list] | None = None) -> None:
         """Start mirroring in the current generation and seed it with the state as it is now
-        (``inherit()``: the last generation's own snapshot buffers, reused: no allocation)."""
+        (``inherit()``: the last generation's own snapshot buffers, reused: no allocation;
+        ``landing``: (version, every rank's holdings) after a restore from memory: the first
+        round moves that version only where it is not held yet)."""
         cfg, gen = self.config, self.generation
         mc = cfg.mirror
         if not (mc.enabled and (mc.replicas > 0 or self.keeper is not None or cfg.retain.tier2 == "stripe")
@@ -501,7 +511,14 @@ class Session:
                              inherit=inherit())
         self.events("mirror_start", holders=holders[gen.rank], nodes=nodes, single_node=len(set(nodes)) == 1)
         # The state as it is now is a version too: a failure in the very next step lands here.
-        self.mirror.on_step(self.step_count(), self.state.tensors, self.state.meta)
+        held_by, held_from = [], []
+        if landing is not None and stripe is None:
+            version, holdings = landing
+            me = gen.rank
+            held_by = [h for h in holders.get(me, []) if version in holdings[h].held.get(me, ())]
+            held_from = [s for s, hs in holders.items() if me in hs and version in holdings[me].held.get(s, ())]
+        self.mirror.seed(self.step_count(), self.state.tensors, self.state.meta, reuse=landing is not None,
+                         held_by=held_by, held_from=held_from)
 
     def close(self) -> None:
         """Stop mirroring, write the queued checkpoints, leave the current generation; call once at
