@@ -39,6 +39,9 @@ class ParallelConfig:
     """Timeout of the training process group's collectives."""
     spares_per_node: int = 0
     """Standby workers per logical node (hot spares that take a failed rank's place)."""
+    successor_wait_s: float = 30.0
+    """After a takeover, at most how long before the promoted spare's successor starts
+    (hotspare-run ``--successor-wait-s``: it starts once the generation caught up; 0: at once)."""
     pipeline_stages: int = 1
     """megatron only: pipeline-parallel size (the model's layers split into this many stages)."""
 
@@ -48,6 +51,8 @@ class ParallelConfig:
                              f"parallel.num_ranks={self.num_ranks}")
         if self.spares_per_node < 0:
             raise ValueError(f"parallel.spares_per_node={self.spares_per_node} must be >= 0")
+        if self.successor_wait_s < 0:
+            raise ValueError(f"parallel.successor_wait_s={self.successor_wait_s} must be >= 0")
         if self.num_ranks < 1:
             raise ValueError(f"parallel.num_ranks={self.num_ranks} must be at least 1")
         if self.logical_nodes < 1 or self.num_ranks % self.logical_nodes:
@@ -230,7 +235,7 @@ def launch_spec(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, 
         json.dump(run_cfg, f, indent=1)
     spec = LaunchSpec(script=[worker, "--config", path], nproc_per_node=job.parallel.num_ranks,
                       logical_nodes=job.parallel.logical_nodes, store_timeout_s=job.parallel.store_timeout_s,
-                      spares_per_node=spares_per_node, keeper=keeper,
+                      spares_per_node=spares_per_node, keeper=keeper, successor_wait_s=job.parallel.successor_wait_s,
                       extra_env={"OMP_NUM_THREADS": "1", **(extra_env or {})})
     return spec
 

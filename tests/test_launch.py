@@ -133,6 +133,8 @@ SPARE_SCRIPT = textwrap.dedent("""
     store = store_from_env()
     wid = worker.worker_id()
     if worker.role() == "spare":
+        with open(os.path.join(out, "started." + wid), "w") as f:
+            f.write(str(time.time()))
         try:
             plan = worker.wait_for_order(store, wid)
         except worker.Shutdown:
@@ -140,13 +142,24 @@ SPARE_SCRIPT = textwrap.dedent("""
             sys.exit(0)
         rank = plan.rank_of(wid)
         with open(os.path.join(out, "took." + wid), "w") as f:
-            json.dump({"rank": rank, "generation": plan.generation, "failures": plan.failures}, f)
+            json.dump({"rank": rank, "generation": plan.generation, "failures": plan.failures,
+                       "t": time.time()}, f)
+        if "CATCH_UP_S" in os.environ:  # what rank 0 of a recovered generation says once caught up
+            time.sleep(float(os.environ["CATCH_UP_S"]))
+            with open(os.path.join(out, "caught_up"), "w") as f:
+                f.write(str(time.time()))
+            store.set(f"caught_up/{plan.generation}", "1")
+        time.sleep(float(os.environ.get("TAKEN_RUN_S", "0")))  # then it ends as its rank would
     else:
         rank = int(os.environ["RANK"])
         hb = worker.Heartbeat(wid, 0.1, float(os.environ.get("HB_TIMEOUT", "2")))
         mode = os.environ.get("FAIL_" + wid, "")
         if mode == "exit":
             time.sleep(0.3)  # usually before the spares are ready: the coordinator must wait for one
+            os._exit(7)
+        if mode.startswith("exit@"):  # later: after an earlier takeover
+            time.sleep(float(mode[5:]))
+            open(os.path.join(out, "exit." + wid), "w").write(str(time.time()))
             os._exit(7)
         if mode == "hang":
             time.sleep(0.5)
@@ -158,18 +171,47 @@ SPARE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_spare_takes_a_dead_ranks_place_and_a_new_spare_starts(tmp_path, no_leaks):
+def test_a_spare_takes_a_dead_ranks_place_and_a_new_spare_starts_once_caught_up(tmp_path, no_leaks, capfd):
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=4, logical_nodes=2, spares_per_node=1,
-                             extra_env={"FAIL_a3": "exit"}, term_grace_s=5)
+                             extra_env={"FAIL_a3": "exit", "CATCH_UP_S": "1", "RUN_S": "8"}, term_grace_s=5)
     assert launch.run(spec) == 0
     took = json.loads((tmp_path / "took.s1.0").read_text())
     # Rank 3 lives on logical node 1: node 1's spare takes it, in generation 1.
     assert took["rank"] == 3 and took["generation"] == 1
     assert took["failures"][0]["worker"] == "a3" and took["failures"][0]["code"] == 7
     assert {p.name for p in tmp_path.glob("done.*")} == {"done.a0", "done.a1", "done.a2"}
-    # Node 1 got a new spare after the takeover; it and node 0's spare were released at the end.
+    # Node 1 got a new spare, started only once generation 1 said it caught up (not with the
+    # plan: its warm-up would compete with the recovery); it and node 0's spare were released.
+    assert float((tmp_path / "started.s1.1").read_text()) >= float((tmp_path / "caught_up").read_text())
+    assert "starting spare s1.1 on node 1 (the generation caught up)" in capfd.readouterr().err
     assert {p.name for p in tmp_path.glob("shutdown.*")} == {"shutdown.s0.0", "shutdown.s1.1"}
+
+
+def test_a_successor_starts_after_its_wait_runs_out_or_at_once_when_another_failure_comes(tmp_path, no_leaks, capfd):
+    """Nobody says the generation caught up. One node, one spare: rank 1 dies, s0.0 takes it;
+    its successor s0.1 is registered but not started. Rank 0 dies seconds later: s0.1 starts at
+    once (its wait, 30 s, has not run out) and takes rank 0. Then a job whose wait is 1 s."""
+    script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=2, logical_nodes=1, spares_per_node=1,
+                             extra_env={"FAIL_a1": "exit", "FAIL_a0": "exit@5", "RUN_S": "30",
+                                        "TAKEN_RUN_S": "6"}, term_grace_s=5)
+    assert launch.run(spec) == 0
+    assert json.loads((tmp_path / "took.s0.0").read_text())["rank"] == 1
+    second = json.loads((tmp_path / "took.s0.1").read_text())
+    assert second["rank"] == 0 and second["generation"] == 2 and second["failures"][0]["worker"] == "a0"
+    assert float((tmp_path / "started.s0.1").read_text()) >= float((tmp_path / "exit.a0").read_text())
+    assert "starting spare s0.1 on node 0 (another failure came)" in capfd.readouterr().err
+
+    out = tmp_path / "bound"
+    out.mkdir()
+    spec = launch.LaunchSpec(script=[script, str(out)], nproc_per_node=2, logical_nodes=1, spares_per_node=1,
+                             successor_wait_s=1.0, extra_env={"FAIL_a1": "exit", "RUN_S": "5"}, term_grace_s=5)
+    assert launch.run(spec) == 0
+    took = json.loads((out / "took.s0.0").read_text())
+    assert float((out / "started.s0.1").read_text()) >= took["t"] + 0.9  # the plan came before the takeover
+    assert "starting spare s0.1 on node 0 (--successor-wait-s=1.0 ran out)" in capfd.readouterr().err
+    assert (out / "shutdown.s0.1").exists()
 
 
 def test_a_silent_worker_is_killed_and_replaced(tmp_path, no_leaks):

@@ -72,12 +72,15 @@ STAGES = [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pyte
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_two_failures_in_sequence_rank1_forward_then_rank0_backward(stage, tmp_path, tmp_path_factory, no_leaks):
+def test_two_failures_in_sequence_rank1_forward_then_rank0_backward(stage, tmp_path, tmp_path_factory, no_leaks,
+                                                                   capfd):
     """A non-zero rank dies before its forward; later rank 0 dies in the middle of backward (its
-    gradient buckets partly reduced) and another spare takes it."""
+    gradient buckets partly reduced) and another spare takes it. The first takeover's successor
+    starts once rank 0 says generation 1 is back at step 2 (after the replay)."""
     ref = reference(tmp_path_factory, stage, 1)
     code, got = run(tmp_path / "out", stage, kill="1:2:0:forward,0:4:0:backward")
     assert code == 0
+    assert "starting spare s0.1 on node 0 (the generation caught up)" in capfd.readouterr().err
     # The first takeover uses the dead rank's own node's spare; the second any ready spare.
     assert got[1]["worker"] == "s0.0" and got[0]["spare"], {r: g["worker"] for r, g in got.items()}
     assert_bitwise(ref, got, {0: 1, 1: 2, 2: 2, 3: 2})  # a spare counts its takeover

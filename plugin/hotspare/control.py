@@ -22,6 +22,9 @@ Keys:
   stuck while its heartbeat goes on) is found from who is missing here.
 - ``kill/count``, ``kill/<i>``: the coordinator asks a worker's launcher to kill it as hung
   (JSON ``{"worker", "detect_s"}``); the launcher reports it as a 'watchdog' failure.
+- ``caught_up/<g>``: set by rank 0 of generation g once training is back at the step the failure
+  interrupted (the replayed steps done); the launchers start the successors of g's promoted
+  spares then (:class:`hotspare.launch.Launcher`).
 
 Worker ids: ``a<rank>`` for the ranks started active, ``s<node>.<k>`` for spares.
 """
@@ -42,6 +45,10 @@ STORE_POLL_S = 0.02
 RECOVERY_POLL_S = 0.005
 """How often a wait on a recovery's path (a plan, an order, the new generation's members) looks:
 these waits last a fraction of a second and their poll delay adds up into the recovery's time."""
+
+
+def caught_up_key(generation: int) -> str:
+    return f"caught_up/{generation}"
 
 
 def active_id(rank: int) -> str:
@@ -112,6 +119,10 @@ class Plan:
     """The failures this plan answers (asdict of :class:`Failure`)."""
     abort: str = ""
     """Non-empty: the job cannot go on; every worker stops with this message."""
+    failures_read: int = 0
+    """How many ``fail/<i>`` entries the coordinator had read when it planned: an entry beyond
+    them is a failure this plan does not answer (the launchers then start their pending
+    successor spares at once)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -130,7 +130,7 @@ class Coordinator:
                       f"at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
                       f"{max(per_node, self.spec.spares_per_node + 1)}")
             plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
-                                abort=reason)
+                                abort=reason, failures_read=self._fail_read)
             _log(f"cannot recover: {reason}")
         else:
             for rank, wid in choice.items():
@@ -138,7 +138,7 @@ class Coordinator:
                 self._prepared.pop(rank, None)
             self._spares = [s for s in self._spares if s[0] not in choice.values()]
             plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
-                                failures=[dataclasses.asdict(f) for f in failures])
+                                failures=[dataclasses.asdict(f) for f in failures], failures_read=self._fail_read)
             _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
         self.store.set(f"plan/{g}", plan.to_json())
         self.generation = g
@@ -184,7 +184,7 @@ class Coordinator:
         active = set(workers.values())
         missing = sorted(active - set(waiting) - self._killed)
         if not missing and not (active & self._killed):
-            plan = control.Plan(g + 1, self.world_size, dict(workers))
+            plan = control.Plan(g + 1, self.world_size, dict(workers), failures_read=self._fail_read)
             _log(f"generation {g + 1}: every rank saw a failure and none died (a transient fault); "
                  f"rebuilding with the same workers")
             self.store.set(f"plan/{g + 1}", plan.to_json())

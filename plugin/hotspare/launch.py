@@ -90,6 +90,12 @@ class LaunchSpec:
     """Several launchers (``--nnodes`` > 1): each beats ``node/<n>/hb`` in the store; node 0
     declares a node lost (every rank on it failed) when its beat is this stale, and a launcher
     that cannot reach the store this long stops its own workers and exits (fencing)."""
+    successor_wait_s: float = 30.0
+    """After a takeover, at most how long the launcher waits before it starts the promoted
+    spare's successor. It starts it as soon as the recovered generation is back at the step the
+    failure interrupted (rank 0's ``caught_up/<g>``), or at once when another failure comes: the
+    successor's warm-up (imports, model build: seconds of CPU) then never competes with the
+    recovery and the replayed step it follows. 0 starts it with the plan."""
     advertise_addr: str = ""
     """This node's address for the workers' collectives (gloo, NCCL's bootstrap); empty: the
     address this machine reaches ``master_addr`` from. Logged at start."""
@@ -111,7 +117,8 @@ class LaunchSpec:
                 f"--master-addr={self.master_addr}", f"--master-port={self.master_port}",
                 f"--logical-nodes={self.logical_nodes}", f"--spares-per-node={self.spares_per_node}",
                 f"--store-timeout={self.store_timeout_s}", f"--stall-grace-s={self.stall_grace_s}",
-                f"--node-timeout-s={self.node_timeout_s}", f"--spare-wait-s={self.spare_wait_s}"]
+                f"--node-timeout-s={self.node_timeout_s}", f"--spare-wait-s={self.spare_wait_s}",
+                f"--successor-wait-s={self.successor_wait_s}"]
         if self.spares_only:
             argv.append("--spares-only")
         if self.job_id:
@@ -138,6 +145,8 @@ class LaunchSpec:
             raise ValueError(f"--node-rank={self.node_rank} must be in [0, --nnodes={self.nnodes})")
         if self.spare_wait_s < 0:
             raise ValueError(f"--spare-wait-s={self.spare_wait_s} must be >= 0")
+        if self.successor_wait_s < 0:
+            raise ValueError(f"--successor-wait-s={self.successor_wait_s} must be >= 0")
         if self.logical_nodes < 1:
             raise ValueError(f"--logical-nodes={self.logical_nodes} must be at least 1")
         if self.logical_nodes > 1 and self.nnodes > 1:
@@ -218,6 +227,7 @@ class Launcher:
         self.keepers: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
         self.coordinator: Coordinator | None = None  # node 0 only
         self._beat_stop = threading.Event()
+        self._successors: list[_Successor] = []  # registered, not started yet
 
     @property
     def world_size(self) -> int:
@@ -353,16 +363,24 @@ class Launcher:
         self.workers[wid] = Worker(wid, node, self._spawn(worker_env), rank=rank)
 
     def _start_spare(self, node: int) -> Worker:
+        return self._spawn_spare(self._register_spare(node), node)
+
+    def _register_spare(self, node: int) -> str:
+        """A new spare id on ``node``, registered with the coordinator (which counts it as a spare
+        that is still starting until it says it is ready)."""
         k = self._spare_counter.get(node, 0)
         self._spare_counter[node] = k + 1
         wid = control.spare_id(node, k)
+        control.append(self.store, control.SPARE_COUNT, "spare/", json.dumps([wid, node]))
+        return wid
+
+    def _spawn_spare(self, wid: str, node: int) -> Worker:
         worker_env = self._base_env(node)
         worker_env.update({env.HOTSPARE_ROLE: "spare", env.HOTSPARE_WORKER_ID: wid})
         for key in ("RANK", "LOCAL_RANK"):
             worker_env.pop(key, None)  # a spare learns its rank from its takeover order
         worker = Worker(wid, node, self._spawn(worker_env))
         self.workers[wid] = worker
-        control.append(self.store, control.SPARE_COUNT, "spare/", json.dumps([wid, node]))
         return worker
 
     def start(self) -> None:
@@ -490,9 +508,28 @@ class Launcher:
                 w = self.workers.get(wid)
                 if w is not None:
                     w.rank = int(rank)
-                    _log(f"generation {plan.generation}: spare {wid} takes rank {rank}; starting a new spare "
-                         f"on node {w.node}")
-                    self._start_spare(w.node)
+                    successor = _Successor(self._register_spare(w.node), w.node, plan.generation,
+                                           plan.failures_read, time.monotonic() + self.spec.successor_wait_s)
+                    self._successors.append(successor)
+                    _log(f"generation {plan.generation}: spare {wid} takes rank {rank}; its successor "
+                         f"{successor.wid} on node {w.node} starts once the generation has caught up")
+
+    def _start_successors(self) -> None:
+        """Start the successors whose time has come: their generation (or a later one) is back at
+        the step the failure interrupted, another failure was reported, or their wait ran out."""
+        if not self._successors:
+            return
+        now = time.monotonic()
+        failures = int(self.store.add(control.FAIL_COUNT, 0))
+        for s in list(self._successors):
+            caught_up = any(self.store.check([control.caught_up_key(g)])
+                            for g in range(s.generation, self.generation + 1))
+            why = ("the generation caught up" if caught_up else "another failure came" if failures > s.failures_read
+                   else f"--successor-wait-s={self.spec.successor_wait_s} ran out" if now >= s.deadline else "")
+            if why:
+                self._successors.remove(s)
+                self._spawn_spare(s.wid, s.node)
+                _log(f"starting spare {s.wid} on node {s.node} ({why})")
 
     def wait(self) -> int:
         """Block until the job ends; return its exit code."""
@@ -501,6 +538,7 @@ class Launcher:
             if self.coordinator is not None:
                 self.coordinator.step()
             self._follow_plans()
+            self._start_successors()
             if self.exit_code is None and self.store.check([control.ABORT]):
                 _log(f"a worker stopped the job: {self.store.get(control.ABORT).decode()}")
                 self.exit_code = ABORT_EXIT_CODE
@@ -539,6 +577,18 @@ class Launcher:
         for w in self.workers.values():
             w.finish()
         self.store = None
+
+
+@dataclass
+class _Successor:
+    """A spare registered to follow one promoted in ``generation``, not started yet."""
+
+    wid: str
+    node: int
+    generation: int
+    failures_read: int
+    """The plan's ``failures_read``: a failure beyond it needs this spare now."""
+    deadline: float
 
 
 def _failed(w: Worker) -> bool:
@@ -642,6 +692,10 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     p.add_argument("--node-timeout-s", type=float, default=10.0,
                    help="with --nnodes > 1: node 0 declares a node lost when its launcher is silent this long, "
                         "and a launcher cut off from the store this long stops its workers")
+    p.add_argument("--successor-wait-s", type=float, default=30.0,
+                   help="after a takeover, start the promoted spare's successor once the recovered generation "
+                        "is back at the interrupted step, when another failure comes, or after this many "
+                        "seconds at most (its warm-up then does not compete with the recovery); 0: at once")
     p.add_argument("--advertise-addr", default="",
                    help="this node's address for the workers' collectives (default: the one that reaches "
                         "--master-addr); its interface becomes GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME")
@@ -661,7 +715,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
                       spares_per_node=a.spares_per_node, job_id=a.job_id,
                       store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s, keeper=not a.no_keeper,
                       advertise_addr=a.advertise_addr, node_timeout_s=a.node_timeout_s, spares_only=a.spares_only,
-                      spare_wait_s=a.spare_wait_s)
+                      spare_wait_s=a.spare_wait_s, successor_wait_s=a.successor_wait_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,9 @@ class Session:
     _repointed: list | None = None
     _retired: list = field(default_factory=list)
     """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
+    _catching_up: tuple[int, int] | None = None
+    """Rank 0 after a recovery: (generation, step the failure interrupted) until a step completes
+    at or past that step; then ``caught_up/<g>`` tells the launchers to start their successor spares."""
 
     def __post_init__(self) -> None:
         if self.heartbeat is not None and not self.spare:
@@ -124,14 +127,28 @@ class Session:
         @functools.wraps(fn)
         def run(*args, **kwargs):
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - classified below
                 if not self._can_recover(exc):
                     raise
                 self.recover(exc)
                 return None
+            if self._catching_up is not None:
+                self._note_caught_up()
+            return result
 
         return run
+
+    def _note_caught_up(self) -> None:
+        generation, failed_at = self._catching_up
+        if self.step_count() < failed_at:
+            return  # still replaying
+        self._catching_up = None
+        try:
+            self.store.set(control.caught_up_key(generation), str(self.step_count()))
+        except Exception as exc:  # noqa: BLE001 - the launchers start the successors at their bound
+            log(f"rank 0: could not tell the launchers that generation {generation} caught up ({exc}); "
+                f"they start the successor spares after --successor-wait-s")
 
     def _can_recover(self, exc: BaseException) -> bool:
         cfg = self.config
@@ -313,6 +330,9 @@ class Session:
         summary = {"generation": gen.index, "version": version, "replaced": plan.replaced,
                    "failures": plan.failures, **phases}
         self.recoveries.append(summary)
+        if rank == 0 and plan.replaced:
+            # A spare taking rank 0 knows no failure step: its first completed step is its mark.
+            self._catching_up = (gen.index, phases.get("failed_at", -1))
         self.events("resume", version=version, **phases)
         log(f"rank {rank}: generation {gen.index} resumes at step {version} "
              f"({', '.join(f'{k} {v:.3f}' for k, v in phases.items() if k.endswith('_s'))})")
