@@ -28,3 +28,11 @@ def _never_built():
 def test_what_the_megatron_path_cannot_rebuild_is_refused_before_anything_starts(config, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         megatron.initialize(_never_built, config, **kwargs)
+
+
+def test_every_module_a_spare_imports_while_it_waits_exists_in_this_megatron_core():
+    """Pins LAZY_IMPORTS against the installed megatron-core: a moved module would silently put
+    its import back on the recovery's path (the spare's build after its order)."""
+    from hotspare.integrations.megatron import warm_up_spare
+
+    assert warm_up_spare() == []
