@@ -149,7 +149,10 @@ SPARE_SCRIPT = textwrap.dedent("""
             with open(os.path.join(out, "caught_up"), "w") as f:
                 f.write(str(time.time()))
             store.set(f"caught_up/{plan.generation}", "1")
-        time.sleep(float(os.environ.get("TAKEN_RUN_S", "0")))  # then it ends as its rank would
+        deadline = time.time() + 60
+        while os.environ.get("TAKEN_UNTIL") and time.time() < deadline and \
+                not os.path.exists(os.path.join(out, os.environ["TAKEN_UNTIL"])):
+            time.sleep(0.05)  # then it ends as its rank would
     else:
         rank = int(os.environ["RANK"])
         hb = worker.Heartbeat(wid, 0.1, float(os.environ.get("HB_TIMEOUT", "2")))
@@ -157,10 +160,18 @@ SPARE_SCRIPT = textwrap.dedent("""
         if mode == "exit":
             time.sleep(0.3)  # usually before the spares are ready: the coordinator must wait for one
             os._exit(7)
-        if mode.startswith("exit@"):  # later: after an earlier takeover
-            time.sleep(float(mode[5:]))
+        if mode == "exit_after_takeover":  # a second failure, once an earlier one was taken over
+            import glob
+            deadline = time.time() + 60
+            while not glob.glob(os.path.join(out, "took.*")) and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
             open(os.path.join(out, "exit." + wid), "w").write(str(time.time()))
             os._exit(7)
+        deadline = time.time() + 60
+        while os.environ.get("RUN_UNTIL") and time.time() < deadline and \
+                not os.path.exists(os.path.join(out, os.environ["RUN_UNTIL"])):
+            time.sleep(0.05)  # bounded: the test's assertions say what did not happen
         if mode == "hang":
             time.sleep(0.5)
             import signal
@@ -174,28 +185,35 @@ SPARE_SCRIPT = textwrap.dedent("""
 def test_a_spare_takes_a_dead_ranks_place_and_a_new_spare_starts_once_caught_up(tmp_path, no_leaks, capfd):
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=4, logical_nodes=2, spares_per_node=1,
-                             extra_env={"FAIL_a3": "exit", "CATCH_UP_S": "1", "RUN_S": "8"}, term_grace_s=5)
+                             extra_env={"FAIL_a3": "exit", "CATCH_UP_S": "1", "RUN_UNTIL": "caught_up",
+                                        "RUN_S": "2"}, term_grace_s=30)
     assert launch.run(spec) == 0
-    took = json.loads((tmp_path / "took.s1.0").read_text())
-    # Rank 3 lives on logical node 1: node 1's spare takes it, in generation 1.
+    # Rank 3 (logical node 1) dies 0.3 s in, usually before any spare is ready: the first ready
+    # spare takes it in generation 1 (node 1's if both are ready by then).
+    [path] = tmp_path.glob("took.*")
+    promoted = path.name[len("took."):]
+    took = json.loads(path.read_text())
     assert took["rank"] == 3 and took["generation"] == 1
     assert took["failures"][0]["worker"] == "a3" and took["failures"][0]["code"] == 7
     assert {p.name for p in tmp_path.glob("done.*")} == {"done.a0", "done.a1", "done.a2"}
-    # Node 1 got a new spare, started only once generation 1 said it caught up (not with the
-    # plan: its warm-up would compete with the recovery); it and node 0's spare were released.
-    assert float((tmp_path / "started.s1.1").read_text()) >= float((tmp_path / "caught_up").read_text())
-    assert "starting spare s1.1 on node 1 (the generation caught up)" in capfd.readouterr().err
-    assert {p.name for p in tmp_path.glob("shutdown.*")} == {"shutdown.s0.0", "shutdown.s1.1"}
+    # The promoted spare's node got a new spare, started only once generation 1 said it caught
+    # up (not with the plan: its warm-up would compete with the recovery); it and the other
+    # node's spare were released at the end.
+    node = int(promoted[1:promoted.index(".")])
+    successor, other = f"s{node}.1", f"s{1 - node}.0"
+    assert float((tmp_path / f"started.{successor}").read_text()) >= float((tmp_path / "caught_up").read_text())
+    assert f"starting spare {successor} on node {node} (the generation caught up)" in capfd.readouterr().err
+    assert {p.name for p in tmp_path.glob("shutdown.*")} == {f"shutdown.{other}", f"shutdown.{successor}"}
 
 
 def test_a_successor_starts_after_its_wait_runs_out_or_at_once_when_another_failure_comes(tmp_path, no_leaks, capfd):
     """Nobody says the generation caught up. One node, one spare: rank 1 dies, s0.0 takes it;
-    its successor s0.1 is registered but not started. Rank 0 dies seconds later: s0.1 starts at
+    its successor s0.1 is registered but not started. Rank 0 dies after that takeover: s0.1 starts at
     once (its wait, 30 s, has not run out) and takes rank 0. Then a job whose wait is 1 s."""
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=2, logical_nodes=1, spares_per_node=1,
-                             extra_env={"FAIL_a1": "exit", "FAIL_a0": "exit@5", "RUN_S": "30",
-                                        "TAKEN_RUN_S": "6"}, term_grace_s=5)
+                             extra_env={"FAIL_a1": "exit", "FAIL_a0": "exit_after_takeover",
+                                        "TAKEN_UNTIL": "took.s0.1"}, term_grace_s=30)
     assert launch.run(spec) == 0
     assert json.loads((tmp_path / "took.s0.0").read_text())["rank"] == 1
     second = json.loads((tmp_path / "took.s0.1").read_text())
@@ -206,7 +224,8 @@ def test_a_successor_starts_after_its_wait_runs_out_or_at_once_when_another_fail
     out = tmp_path / "bound"
     out.mkdir()
     spec = launch.LaunchSpec(script=[script, str(out)], nproc_per_node=2, logical_nodes=1, spares_per_node=1,
-                             successor_wait_s=1.0, extra_env={"FAIL_a1": "exit", "RUN_S": "5"}, term_grace_s=5)
+                             successor_wait_s=1.0, extra_env={"FAIL_a1": "exit", "RUN_UNTIL": "started.s0.1", "RUN_S": "1"},
+                             term_grace_s=30)
     assert launch.run(spec) == 0
     took = json.loads((out / "took.s0.0").read_text())
     assert float((out / "started.s0.1").read_text()) >= took["t"] + 0.9  # the plan came before the takeover

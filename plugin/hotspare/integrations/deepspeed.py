@@ -170,6 +170,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
 LAZY_IMPORTS = (
     "deepspeed.runtime.zero.muon.muon_optimizer",
     "deepspeed.module_inject.auto_ep_config",
+    "deepspeed.module_inject.auto_ep_layer",  # engine._configure_expert_parallel: 11 modules, 4-40 ms
     "deepspeed.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.zero.stage3",
     "deepspeed.runtime.zero.partition_parameters",
