@@ -142,6 +142,20 @@ def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lamb
     return Takeover(store, heartbeat, plan, rank, world, generation, t_order)
 
 
+def import_modules(names) -> list[str]:
+    """Import ``names`` (a spare's warm-up: what its host's build imports lazily); return those
+    that did not import (a host version that moved them: the build then imports its own)."""
+    import importlib
+
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def gather_ints(value: int, group=None) -> list[int]:
     """Every rank's ``value``, by rank (one all-gather over ``group``, default: the default group)."""
     mine = torch.tensor([value], dtype=torch.int64)

@@ -25,7 +25,8 @@ from ..events import EventLog
 from ..generation import Generation
 from ..recovery import RecoveryError
 from ..session import Session
-from ..startup import await_takeover, default_group_timeout, heartbeat_for, join_from_env, keeper_for, node_ranks
+from ..startup import (await_takeover, default_group_timeout, heartbeat_for, import_modules, join_from_env, keeper_for,
+                       node_ranks)
 from ..snapshot import Layout, read_meta
 from ..worker import role
 
@@ -186,12 +187,7 @@ def warm_up_spare() -> list[str]:
     what was missing (a DeepSpeed version that moved it: the build then does its own)."""
     import importlib
 
-    missing = []
-    for name in LAZY_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
+    missing = import_modules(LAZY_IMPORTS)
     try:
         ops = importlib.import_module("deepspeed.ops")
         getattr(ops, "__compatible_ops__")  # probes every op builder once (imports setuptools)

@@ -45,7 +45,7 @@ from ..events import EventLog
 from ..generation import Generation
 from ..recovery import RecoveryError
 from ..session import Session
-from ..startup import await_takeover, gather_ints, heartbeat_for, join_from_env, keeper_for
+from ..startup import await_takeover, gather_ints, heartbeat_for, import_modules, join_from_env, keeper_for
 from ..snapshot import Layout, read_meta
 from ..worker import role
 
@@ -447,15 +447,7 @@ def warm_up_spare() -> list[str]:
     """A spare, before it says it is ready: import :data:`LAZY_IMPORTS` (needs no rank, group or
     device). Returns the modules that did not import (a megatron-core that moved them: the
     build then imports what it needs itself)."""
-    import importlib
-
-    missing = []
-    for name in LAZY_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    return missing
+    return import_modules(LAZY_IMPORTS)
 
 
 def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | str | None, *,
