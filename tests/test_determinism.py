@@ -22,6 +22,14 @@ def run_job(out_dir, **overrides):
 
 
 FIELDS = ("losses_hex", "fp32_digest", "optimizer_digest")
+REF_CFG = {"train": {"steps": 12, "log_interval": 6}}
+"""The uninterrupted ZeRO 2 run both the determinism and the recovery test compare against."""
+
+
+@pytest.fixture(scope="module")
+def zero2_reference(tmp_path_factory):
+    """One uninterrupted ZeRO 2 run (REF_CFG) for the module (a job costs ~10 s of the suite's budget)."""
+    return run_job(tmp_path_factory.mktemp("ref"), **REF_CFG)
 
 
 # ZeRO 2 in make test; ZeRO 1, 3 and bf16 under make slow (the suite's time budget; bf16 training
@@ -30,9 +38,10 @@ FIELDS = ("losses_hex", "fp32_digest", "optimizer_digest")
                                   pytest.param({"stage": 3}, marks=pytest.mark.slow),
                                   pytest.param({"stage": 2, "dtype": "bf16"}, marks=pytest.mark.slow)],
                          ids=["zero1", "zero2", "zero3", "zero2-bf16"])
-def test_two_runs_with_one_seed_are_bitwise_identical(zero, tmp_path, no_leaks):
-    cfg = {"zero": zero, "train": {"steps": 12, "log_interval": 6}}
-    first, second = run_job(tmp_path / "a", **cfg), run_job(tmp_path / "b", **cfg)
+def test_two_runs_with_one_seed_are_bitwise_identical(zero, tmp_path, request, no_leaks):
+    cfg = {"zero": zero, **REF_CFG}
+    first = request.getfixturevalue("zero2_reference") if zero == {"stage": 2} else run_job(tmp_path / "a", **cfg)
+    second = run_job(tmp_path / "b", **cfg)
     for r, (a, b) in enumerate(zip(first, second)):
         for key in FIELDS:
             assert a[key] == b[key], f"rank {r}: {key} differs between two runs with the same seed"
@@ -43,13 +52,12 @@ def test_two_runs_with_one_seed_are_bitwise_identical(zero, tmp_path, no_leaks):
 
 
 
-def test_the_recipe_recovers_a_killed_rank_bitwise(tmp_path, no_leaks):
+def test_the_recipe_recovers_a_killed_rank_bitwise(zero2_reference, tmp_path, no_leaks):
     """The GPT recipe's loop with a spare: rank 1 is SIGKILLed before step 5 of 12 (mid log window), a spare takes
     it, and every rank ends bitwise identical to the uninterrupted run (the spare's record
     starts at the step it landed on)."""
-    cfg = {"train": {"steps": 12, "log_interval": 6}}
-    ref = run_job(tmp_path / "ref", **cfg)
-    got = run_job(tmp_path / "hit", **cfg, parallel={"spares_per_node": 1}, fault={"rank": 1, "step": 5})
+    ref = zero2_reference
+    got = run_job(tmp_path / "hit", **REF_CFG, parallel={"spares_per_node": 1}, fault={"rank": 1, "step": 5})
     assert got[1]["spare"] and got[1]["first_step"] in (4, 5) and not got[0]["spare"]
     for r, (a, b) in enumerate(zip(ref, got)):
         assert b["losses_hex"] == a["losses_hex"][b["first_step"]:], f"rank {r}: losses differ after the recovery"
