@@ -1,8 +1,10 @@
 """Shared fixtures: importable recipes, and a leak check for tests that start processes."""
 from __future__ import annotations
 
+import glob
 import os
 import sys
+import tempfile
 import time
 
 import psutil
@@ -16,8 +18,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture
 def no_leaks():
-    """Fail if the test leaves child processes or new /dev/shm entries behind."""
+    """Fail if the test leaves child processes, new /dev/shm entries or keeper sockets behind."""
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    sockets = os.path.join(tempfile.gettempdir(), "hotspare-*.sock")
+    sockets_before = set(glob.glob(sockets))
     yield
     deadline = time.monotonic() + 10
     while True:
@@ -29,3 +33,5 @@ def no_leaks():
     assert not children, f"leaked child processes: {[(c.pid, c.cmdline()) for c in children]}"
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not (shm_after - shm_before), f"leaked shared-memory entries: {sorted(shm_after - shm_before)}"
+    leaked = set(glob.glob(sockets)) - sockets_before
+    assert not leaked, f"leaked keeper sockets: {sorted(leaked)}"

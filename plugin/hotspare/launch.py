@@ -16,6 +16,7 @@ then removes every segment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -439,6 +440,9 @@ class Launcher:
                 p.wait()
             if p.returncode != 0:
                 keeper.remove_cuda_ipc_files(p.pid)  # a device tier's driver files, which it could not remove
+                # A killed keeper could not remove its socket either (a clean exit does).
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(keeper.socket_path(self.job_id, node))
         if self.keepers:
             # A keeper that was killed (its node "lost", in a test) left its segments.
             removed = keeper.remove_stale()
