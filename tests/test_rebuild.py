@@ -37,7 +37,7 @@ def test_groups_rebuilt_in_place_keep_training_bitwise(stage, tmp_path, no_leaks
     assert found["before"][0] == [[0, 1], False]
     if stage == 3:
         assert [[0, 1], True] in found["before"]
-    assert found["replaced"] > 0 and found["old_left"] == 0 and found["after"] == len(found["before"])
+    assert found["replaced"] == found["refs"] > 0 and found["old_left"] == 0 and found["after"] == len(found["before"])
 
 
 @pytest.mark.parametrize("stage", SLOW_STAGES)
@@ -96,3 +96,33 @@ def test_ranks_that_hold_different_groups_are_refused_before_any_group_is_made(s
         assert results == ["agreed", "agreed"]
     else:
         assert all("ranks disagree on the process groups to rebuild" in r for r in results), results
+
+
+def test_the_walk_records_every_reference_and_repoint_records_replaces_them_all():
+    """What a recovery relies on (one walk, not two): find_groups records a setter per reference,
+    in dicts, lists, module attributes and a tensor's attribute dict, and repoint_records moves
+    each to the new group; a group held in a tuple cannot be moved and is refused."""
+    import torch
+    import torch.distributed as dist
+
+    from hotspare import rebuild
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        old, other = dist.new_group([0], backend="gloo"), dist.new_group([0], backend="gloo")
+        module = torch.nn.Linear(2, 2)
+        module.weight.ds_process_group = old  # like ZeRO-3's parameters
+        module.group = old
+        host = {"a": old, "b": [other, {"c": old}], "m": module}
+        records = rebuild.find_groups([host])
+        assert [len(r.refs) for r in records] == [4, 1] and [r.group for r in records] == [old, other]
+        new_old, new_other = dist.new_group([0], backend="gloo"), dist.new_group([0], backend="gloo")
+        assert rebuild.repoint_records(records, {id(old): new_old, id(other): new_other}) == 5
+        assert host["a"] is host["b"][1]["c"] is module.group is module.weight.ds_process_group is new_old
+        assert host["b"][0] is new_other
+        assert [r.group for r in rebuild.find_groups([host])] == [new_old, new_other]
+        stuck = rebuild.find_groups([{"t": (new_old,)}])
+        with pytest.raises(RuntimeError, match="immutable"):
+            rebuild.repoint_records(stuck, {id(new_old): old})
+    finally:
+        dist.destroy_process_group()

@@ -12,7 +12,10 @@ memory, DeepSpeed issue 7204), hotspare:
 3. creates one new group per old one, in the recorded order (every rank walks the same
    structure, so every rank creates the same groups in the same order; a signature check
    across ranks turns any disagreement into a clear error instead of a hang);
-4. replaces each old reference by its new group (:func:`repoint`).
+4. replaces each old reference by its new group: through the references the walk of step 1
+   recorded (:func:`repoint_records`; nothing runs host code in between, so they still hold the
+   old groups, and the recovery walks the host once, not twice), or by walking again
+   (:func:`repoint`).
 
 The walk is bounded: it enters objects of the named host packages, containers, modules and
 parameters' attribute dicts, never tensor storage or foreign libraries.
@@ -22,8 +25,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import types
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,13 +35,27 @@ HOST_PACKAGES = ("deepspeed", "hotspare", "megatron")
 MAX_DEPTH = 12
 
 
+# Values the walk never looks into, by exact type: most of what it meets (checked first, as
+# ``isinstance(x, ProcessGroup)`` goes through a Python-level metaclass check in torch 2.13).
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
+                     types.FunctionType, types.MethodType, types.BuiltinFunctionType, type})
+_GROUP_TYPES: dict[type, bool] = {}
+
+
 def _is_group(obj) -> bool:
-    return isinstance(obj, dist.ProcessGroup)
+    t = type(obj)
+    known = _GROUP_TYPES.get(t)
+    if known is None:
+        known = _GROUP_TYPES[t] = isinstance(obj, dist.ProcessGroup)
+    return known
 
 
 def _enter(obj) -> bool:
     """Whether the walk looks inside ``obj``."""
-    if isinstance(obj, (list, tuple, dict, set, frozenset)):
+    t = type(obj)
+    if t in _LEAVES:
+        return False
+    if t in (list, tuple, dict, set, frozenset) or isinstance(obj, (list, tuple, dict, set, frozenset)):
         return True
     if isinstance(obj, torch.Tensor):
         return bool(getattr(obj, "__dict__", None))  # ZeRO-3 keeps its ds_* attributes here
@@ -46,7 +63,7 @@ def _enter(obj) -> bool:
         return True
     if isinstance(obj, types.ModuleType):
         return obj.__name__.startswith(HOST_PACKAGES)
-    mod = type(obj).__module__ or ""
+    mod = t.__module__ or ""
     return mod.startswith(HOST_PACKAGES) and hasattr(obj, "__dict__")
 
 
@@ -76,6 +93,8 @@ def _walk(roots: Iterable, visit) -> None:
             return
         seen.add(id(obj))
         for setter, child in _children(obj):
+            if type(child) in _LEAVES:
+                continue
             if _is_group(child):
                 visit(child, setter, obj)
             elif _enter(child):
@@ -93,31 +112,49 @@ class GroupRecord:
     backend: str
     was_default: bool
     """It was the default group (its replacement is the new default group, not a new_group)."""
+    refs: list[Callable | None] = field(default_factory=list, repr=False, compare=False)
+    """A setter for each reference to ``group`` the walk found (None: held where it cannot be
+    replaced); :func:`repoint_records` calls them."""
 
 
 def find_groups(roots: Iterable) -> list[GroupRecord]:
-    """Every distinct ProcessGroup reachable from ``roots``, in walk order, with its global ranks.
+    """Every distinct ProcessGroup reachable from ``roots``, in walk order, with its global ranks
+    and every reference to it.
 
     Call while the groups are still registered (before ``destroy_process_group``).
     """
-    out: list[GroupRecord] = []
-    ids: set[int] = set()
+    out: dict[int, GroupRecord] = {}
     default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
-    def visit(group, _setter, _parent):
-        if id(group) in ids:
-            return
-        ids.add(id(group))
-        try:
-            ranks = tuple(dist.get_process_group_ranks(group))
-            backend = str(dist.get_backend(group))
-        except (ValueError, RuntimeError) as exc:
-            raise RuntimeError(f"a process group held by the host is not registered with torch.distributed "
-                               f"({exc}); it cannot be rebuilt") from None
-        out.append(GroupRecord(group, ranks, backend, group is default))
+    def visit(group, setter, _parent):
+        rec = out.get(id(group))
+        if rec is None:
+            try:
+                ranks = tuple(dist.get_process_group_ranks(group))
+                backend = str(dist.get_backend(group))
+            except (ValueError, RuntimeError) as exc:
+                raise RuntimeError(f"a process group held by the host is not registered with torch.distributed "
+                                   f"({exc}); it cannot be rebuilt") from None
+            rec = out[id(group)] = GroupRecord(group, ranks, backend, group is default)
+        rec.refs.append(setter)
 
     _walk(roots, visit)
-    return out
+    return list(out.values())
+
+
+def repoint_records(records: list[GroupRecord], mapping: dict[int, dist.ProcessGroup]) -> int:
+    """Replace every reference :func:`find_groups` recorded by its group's new one; returns how
+    many were replaced. Valid while the host has not run since the walk (a recovery: the walk,
+    then leaving and joining a generation, then this), without walking again."""
+    count = 0
+    for rec in records:
+        for setter in rec.refs:
+            if setter is None:
+                raise RuntimeError(f"a process group is held inside an immutable container; hotspare cannot "
+                                   f"re-point it in place (ranks {list(rec.ranks)})")
+            setter(mapping[id(rec.group)])
+            count += 1
+    return count
 
 
 def signature(records: list[GroupRecord], world_size: int) -> str:

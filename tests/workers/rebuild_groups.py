@@ -1,6 +1,7 @@
 """Worker for tests/test_rebuild.py: trains a ZeRO engine, then (mode 'rebuild') destroys every
 process group, joins generation 1 on the same control store, re-points every group handle
-DeepSpeed holds to new groups (hotspare.rebuild) and trains on. Writes the per-step losses
+DeepSpeed holds to new groups (hotspare.rebuild, through the references its walk recorded) and
+trains on. Writes the per-step losses
 and digests, and what the rebuild found, to OUT/rank<R>.json."""
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def main(stage: int, mode: str, out: str) -> None:
             leave()
             join(session.store, Generation(1, rank, world), "gloo", 60)
             rebuild.check_signature(records, world)
-            found["replaced"] = rebuild.repoint(roots, rebuild.create_groups(records, 60, backend="gloo"))
+            # Through the references the walk recorded (what a recovery does), then a fresh walk
+            # must find no old group left.
+            found["replaced"] = rebuild.repoint_records(records, rebuild.create_groups(records, 60, backend="gloo"))
+            found["refs"] = sum(len(r.refs) for r in records)
             after = rebuild.find_groups(roots)
             found["old_left"] = sum(1 for r in after if any(r.group is g for g in old))
             found["after"] = len(after)
