@@ -15,6 +15,10 @@ Keys:
   "world_size", "generation"}``): build that rank's engine now; the plan that follows gives it
   that rank (and ``order/<wid>`` follows).
 - ``order/<wid>``: a spare's takeover order: the generation it joins (the plan says as whom).
+- ``wake/<wid>``: set after anything a waiting spare must read (``prepare/<wid>``,
+  ``order/<wid>``, ``shutdown``); the spare blocks on it in the store (:func:`hotspare.worker.wait_for_order`),
+  so it learns of its order the moment it is written instead of at its next poll.
+- ``shutdown``: training finished; spares exit.
 - ``abort``: set by a worker that found the job unrecoverable (the message says what was
   lost); every launcher stops its workers and exits with ``launch.ABORT_EXIT_CODE``.
 - ``wait/count``, ``wait/<i>``: a survivor that saw a failure and left generation g says so
@@ -30,6 +34,7 @@ Worker ids: ``a<rank>`` for the ranks started active, ``s<node>.<k>`` for spares
 """
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -40,11 +45,24 @@ WAIT_COUNT = "wait/count"
 KILL_COUNT = "kill/count"
 ABORT = "abort"
 SPARE_COUNT = "spare/count"
+SHUTDOWN = "shutdown"
 STORE_POLL_S = 0.02
-"""How often an idle wait (a spare waiting for a failure) looks at the store."""
+"""How often an idle wait looks at the store."""
+WAKE_WAIT = datetime.timedelta(days=7)
+"""A spare's blocking wait on ``wake/<wid>``: without limit in practice (a wait that times out
+leaves the store connection unusable), and short of poll()'s 2**31 ms."""
 RECOVERY_POLL_S = 0.005
 """How often a wait on a recovery's path (a plan, an order, the new generation's members) looks:
 these waits last a fraction of a second and their poll delay adds up into the recovery's time."""
+
+
+def wake_key(wid: str) -> str:
+    return f"wake/{wid}"
+
+
+def wake(store, wid: str) -> None:
+    """Wake spare ``wid`` from its wait (after writing what it must read)."""
+    store.set(wake_key(wid), "1")
 
 
 def caught_up_key(generation: int) -> str:

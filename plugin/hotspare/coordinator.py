@@ -144,6 +144,7 @@ class Coordinator:
         self.generation = g
         for wid in plan.replaced.values():
             self.store.set(f"order/{wid}", str(g))
+            control.wake(self.store, wid)
 
     def _all_accounted(self) -> bool:
         """Every worker of the current generation has failed or reported that it left it: no other
@@ -163,6 +164,7 @@ class Coordinator:
         self._prepared[rank] = pick[rank]
         prepare = control.Prepare(rank, self.world_size, self.generation + 1)
         self.store.set(f"prepare/{pick[rank]}", json.dumps(dataclasses.asdict(prepare)))
+        control.wake(self.store, pick[rank])
 
     def _ready_spares(self) -> list[tuple[str, int]]:
         """Registered spares that wait for an order (imports done, model built)."""

@@ -224,6 +224,7 @@ class Launcher:
         self.exit_code: int | None = None
         self._spare_counter: dict[int, int] = {}
         self._stopping = False
+        self._released = False  # spares woken to see "shutdown"
         self._kill_read = 0
         self.keepers: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
         self.coordinator: Coordinator | None = None  # node 0 only
@@ -550,12 +551,14 @@ class Launcher:
                 self.stop()
                 return self.exit_code
             active = [w for w in self.workers.values() if w.rank >= 0 and not _failed(w)]
-            if not active and self.spec.spares_only and self.store.check(["shutdown"]) and \
+            self._release_spares()
+            if not active and self.spec.spares_only and self._released and \
                     all(w.proc.poll() is not None for w in self.workers.values()):
                 return 0  # a replacement node whose spares were not needed: released at the end
             if active and all(w.proc.poll() == 0 for w in active):
                 # Training finished: release the spares (they wait for an order or this key).
-                self.store.set("shutdown", "1")
+                self.store.set(control.SHUTDOWN, "1")
+                self._release_spares()
                 self._stopping = True
                 deadline = time.monotonic() + self.spec.term_grace_s
                 while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers.values()):
@@ -563,6 +566,16 @@ class Launcher:
                 self.stop()
                 return 0
             self._pause()
+
+    def _release_spares(self) -> None:
+        """Once training finished (any launcher set ``shutdown``): wake this node's waiting spares,
+        which then see it and exit."""
+        if self._released or not self.store.check([control.SHUTDOWN]):
+            return
+        self._released = True
+        for w in self.workers.values():
+            if w.rank < 0 and not w.done:
+                control.wake(self.store, w.wid)
 
     def _pause(self) -> None:
         """Until the next look: ``POLL_INTERVAL_S``, cut short the moment a worker exits (its

@@ -168,13 +168,16 @@ class Session:
         if self.heartbeat is not None:
             self.heartbeat.watch(None)
         failed_at = self.step_count()
+        # The coordinator first: once every survivor has said so, it plans without waiting out
+        # its settle window (the walk for the host's groups comes after).
+        self._report_waiting(self.generation.index, error)
         self.events("failure_seen", version=failed_at, error=str(error)[:500],
                     error_type=type(error).__name__, timed_out=is_timeout(error))
         log(f"rank {self.generation.rank}: failure seen at step {failed_at}: "
              f"{type(error).__name__}: {str(error)[:200]}")
         retained = self.mirror  # frozen by _break_off; the restore reads what it holds
         records = self.host_groups()
-        broken = self._break_off(records, self.generation.index, error)
+        broken = self._break_off(records, self.generation.index, error, reported=True)
         if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
             log(f"rank {self.generation.rank}: the checkpoint writer is still busy after "
                  f"{cfg.rendezvous_timeout_s} s; recovering without waiting for it")
@@ -212,13 +215,13 @@ class Session:
                  f"joining generation {generation}")
             plan = None
 
-    def _break_off(self, records, generation: int, error: BaseException) -> int:
-        """Leave ``generation`` at once (a failure in it, or while it formed): tell the coordinator,
-        abort NCCL, shut down every connection but the store's (so no survivor waits out a
-        collective timeout), freeze the mirror, destroy the groups. Returns the connections broken."""
-        # The coordinator first: once every survivor has said so, it plans without waiting out
-        # its settle window.
-        self._report_waiting(generation, error)
+    def _break_off(self, records, generation: int, error: BaseException, reported: bool = False) -> int:
+        """Leave ``generation`` at once (a failure in it, or while it formed): tell the coordinator
+        (unless ``reported``), abort NCCL, shut down every connection but the store's (so no
+        survivor waits out a collective timeout), freeze the mirror, destroy the groups. Returns
+        the connections broken."""
+        if not reported:
+            self._report_waiting(generation, error)
         if dist.is_initialized():
             abort_nccl([r.group for r in records])
         broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
@@ -461,7 +464,7 @@ class Session:
         """The host's groups anew in the current generation, every handle re-pointed; returns the
         records of the new groups (the host holds them from here on)."""
         mapping = rebuild.create_groups(records, self.config.recovery.collective_timeout_s, backend=self.backend)
-        rebuild.repoint(self.roots(), mapping)
+        rebuild.repoint_records(records, mapping)
         return [dataclasses.replace(r, group=mapping[id(r.group)]) for r in records]
 
     def _stages(self, group) -> list[int] | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
 from . import control, env
 from .generation import store_from_env
@@ -96,16 +95,21 @@ def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | co
     raises the store's error, so an orphaned spare does not wait forever.
     """
     store.set(f"ready/{wid}", "1")
+    wake = control.wake_key(wid)
     while True:
+        # Cleared before the checks: news written after them sets it again and ends the wait at
+        # once; news written before them is seen by them (the writers set wake/<wid> last).
+        store.delete_key(wake)
         if store.check([f"order/{wid}"]):
             g = int(store.get(f"order/{wid}"))
             return control.Plan.from_json(store.get(f"plan/{g}"))
         if prepare and store.check([f"prepare/{wid}"]):
             return control.Prepare(**json.loads(store.get(f"prepare/{wid}")))
-        if store.check(["shutdown"]):
+        if store.check([control.SHUTDOWN]):
             raise Shutdown()
-        # Once prepared, the order follows within the coordinator's settle window: look often.
-        time.sleep(control.STORE_POLL_S if prepare else control.RECOVERY_POLL_S)
+        # Blocks in the store (the GIL released: the heartbeat thread beats on). A polled wait
+        # added half its interval to every recovery the spare took part in.
+        store.wait([wake], control.WAKE_WAIT)
 
 
 def wait_for_plan(store, generation: int, timeout_s: float) -> control.Plan:
