@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -209,11 +208,15 @@ def read_list(store, counter: str, prefix: str, start: int) -> list[str]:
     return out
 
 
-def wait_key(store, key: str, timeout_s: float, what: str, poll_s: float = RECOVERY_POLL_S) -> bytes:
-    """Poll for ``key`` (so the wait stays interruptible); raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for {what} (store key {key!r})")
-        time.sleep(poll_s)
+def wait_key(store, key: str, timeout_s: float, what: str) -> bytes:
+    """``key``'s value once it is set: blocks in the store (woken the moment it is written, the GIL
+    released; no poll delay, and one request per waiter however many wait, where a poll loaded the
+    store with each waiter's requests). Raises TimeoutError naming ``what``. torch cancels a wait
+    that timed out on the server, so the connection stays usable."""
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # torch.distributed.DistStoreError
+        if "timeout" not in str(exc).lower():
+            raise
+        raise TimeoutError(f"waited {timeout_s:g} s for {what} (store key {key!r})") from None
     return store.get(key)

@@ -171,13 +171,18 @@ class Session:
         # The coordinator first: once every survivor has said so, it plans without waiting out
         # its settle window (the walk for the host's groups comes after).
         self._report_waiting(self.generation.index, error)
+        early = 0
+        if self.backend == "gloo":
+            # Then the peers blocked on this rank in a collective learn of it at once (with NCCL
+            # its communicators are aborted first, in _break_off, which needs the walk).
+            early = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
         self.events("failure_seen", version=failed_at, error=str(error)[:500],
                     error_type=type(error).__name__, timed_out=is_timeout(error))
         log(f"rank {self.generation.rank}: failure seen at step {failed_at}: "
              f"{type(error).__name__}: {str(error)[:200]}")
         retained = self.mirror  # frozen by _break_off; the restore reads what it holds
         records = self.host_groups()
-        broken = self._break_off(records, self.generation.index, error, reported=True)
+        broken = early + self._break_off(records, self.generation.index, error, reported=True)
         if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
             log(f"rank {self.generation.rank}: the checkpoint writer is still busy after "
                  f"{cfg.rendezvous_timeout_s} s; recovering without waiting for it")
