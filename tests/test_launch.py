@@ -282,6 +282,50 @@ def test_the_coordinator_plans_once_every_worker_is_accounted_for_not_before():
     assert plan.replaced == {"1": "s0.0"} and store.get("order/s0.0") == b"1"
 
 
+def test_the_coordinator_alarms_every_worker_of_a_generation_once_it_learns_that_it_failed():
+    """The first failure report of generation 0 sets alarm/0/<wid> for each of its workers (they
+    leave at once, see Heartbeat), before any plan; a spare's failure alarms nobody."""
+    from hotspare import control
+    from hotspare.coordinator import Coordinator
+
+    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
+                                                 settle_s=30.0))
+    launcher._open_store()
+    store = launcher.store
+    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
+    keys = [control.alarm_key(0, f"a{r}") for r in range(4)]
+    control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
+        worker="s1.0", rank=-1, code=-9, reason="exit", wall_time=time.time()))))
+    coordinator.step()
+    assert not any(store.check([k]) for k in keys)
+    control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
+        worker="a1", rank=1, code=-9, reason="exit", wall_time=time.time()))))
+    coordinator.step()
+    assert all(store.check([k]) for k in keys) and not store.check(["plan/1"])
+
+
+def test_a_failing_exit_is_read_from_proc_before_the_process_is_reaped(tmp_path):
+    """exiting_status: nothing while a worker runs; once its exit began (here: it is a zombie,
+    not reaped), the status its returncode will have: -9 for SIGKILL, 3 for exit(3), and None
+    for exit(0) (not a failure)."""
+    import select
+
+    for code, want in (("os.kill(os.getpid(), 9)", -9), ("os._exit(3)", 3), ("os._exit(0)", None)):
+        proc = subprocess.Popen([sys.executable, "-c", f"import os, sys; sys.stdin.read(1); {code}"],
+                                stdin=subprocess.PIPE)
+        w = launch.Worker("a0", 0, proc, rank=0)
+        try:
+            assert w.stat_fd >= 0 and w.exiting() is None
+            proc.stdin.write(b"x")
+            proc.stdin.flush()
+            assert select.select([w.pidfd], [], [], 30)[0]  # exited, still unreaped
+            assert w.exiting() == want
+        finally:
+            proc.wait(timeout=30)
+            w.finish()
+        assert proc.returncode == (want or 0)
+
+
 def _free_port() -> int:
     import socket
 
@@ -326,3 +370,47 @@ def test_spares_only_needs_a_new_node_index_and_the_jobs_store():
     with pytest.raises(ValueError, match="--spares-only joins a running job as a new node"):
         launch.LaunchSpec(script=["x.py"], spares_only=True, spares_per_node=1, master_port=5).validate()
     launch.LaunchSpec(script=["x.py"], spares_only=True, node_rank=1, spares_per_node=1, master_port=5).validate()
+
+
+def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_close(monkeypatch):
+    """Heartbeat's alarm thread blocks on alarm/<g>/<wid> for the generation watched: the alarm
+    of that generation calls back (once), one that comes while the worker recovers (watching
+    None) does not, the next generation's does; close() ends the thread though no alarm came."""
+    import threading
+
+    import torch.distributed as dist
+
+    from hotspare import control, env
+    from hotspare.worker import Heartbeat
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv(env.HOTSPARE_STORE_HOST, "127.0.0.1")
+    monkeypatch.setenv(env.HOTSPARE_STORE_PORT, str(master.port))
+    fired = []
+    event = threading.Event()
+
+    def callback():
+        fired.append(time.monotonic())
+        event.set()
+
+    hb = Heartbeat("a1", 60.0, 600.0)
+    try:
+        hb.watch(0, callback)
+        master.set(control.alarm_key(0, "a1"), "1")
+        assert event.wait(10) and len(fired) == 1
+        hb.watch(None)  # recovering: generation 1's alarm (a failure while it forms) is not for it
+        event.clear()
+        master.set(control.alarm_key(1, "a1"), "1")
+        assert not event.wait(0.3)
+        hb.watch(2, callback)
+        master.set(control.alarm_key(2, "a1"), "1")
+        assert event.wait(10) and len(fired) == 2
+        hb.watch(3, callback)
+        deadline = time.monotonic() + 10
+        while hb._listening != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hb._listening == 3  # blocked on generation 3's key: close must end that wait
+    finally:
+        hb.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("hotspare-")]
+    assert master.check([control.alarm_key(3, "a1")]) and len(fired) == 2

@@ -19,6 +19,14 @@ Keys:
   ``order/<wid>``, ``shutdown``); the spare blocks on it in the store (:func:`hotspare.worker.wait_for_order`),
   so it learns of its order the moment it is written instead of at its next poll.
 - ``shutdown``: training finished; spares exit.
+- ``alarm/<g>/<wid>``: set by the coordinator for every worker of generation g the moment it
+  learns that g failed (a failure reported, a survivor that left it, the next plan written):
+  each worker blocks on its own key in a thread (:class:`hotspare.worker.Heartbeat`) and
+  leaves g at once (breaks its connections) instead of waiting for its collectives to fail;
+  a worker sets its own key to end that wait when it closes.
+- ``exited/<wid>``: a failed worker's process is gone (its exit code); a failure is reported
+  when the exit *begins*, before the kernel has torn down the process's memory, so a spare
+  that takes its device waits for this.
 - ``abort``: set by a worker that found the job unrecoverable (the message says what was
   lost); every launcher stops its workers and exits with ``launch.ABORT_EXIT_CODE``.
 - ``wait/count``, ``wait/<i>``: a survivor that saw a failure and left generation g says so
@@ -64,6 +72,14 @@ def wake(store, wid: str) -> None:
     store.set(wake_key(wid), "1")
 
 
+def alarm_key(generation: int, wid: str) -> str:
+    return f"alarm/{generation}/{wid}"
+
+
+def exited_key(wid: str) -> str:
+    return f"exited/{wid}"
+
+
 def caught_up_key(generation: int) -> str:
     return f"caught_up/{generation}"
 
@@ -106,6 +122,8 @@ class Prepare:
     rank: int
     world_size: int
     generation: int
+    replaces: str = ""
+    """The failed worker whose rank this is (a spare taking its device waits for ``exited/<it>``)."""
 
 
 @dataclass

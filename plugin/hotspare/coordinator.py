@@ -52,11 +52,25 @@ class Coordinator:
         self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat, when it last moved)
         self._lost_nodes: set[int] = set()
         self._waiting_for_spares = False
+        self._alarmed: set[int] = set()  # generations whose workers were told that it failed
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
         while self.store.check([f"plan/{self.generation + 1}"]):
+            self._alarm()
             self.generation += 1
+
+    def _alarm(self) -> None:
+        """Generation ``self.generation`` failed: tell each of its workers (``alarm/<g>/<wid>``),
+        so that those still training, or blocked in a collective on a peer whose sockets have
+        not closed yet (a dying process's memory is torn down first), leave it at once. Once
+        per generation; one store request for all of them."""
+        g = self.generation
+        if g in self._alarmed:
+            return
+        self._alarmed.add(g)
+        keys = [control.alarm_key(g, wid) for wid in self._current_plan().workers.values()]
+        self.store.multi_set(keys, ["1"] * len(keys))
 
     @property
     def busy(self) -> bool:
@@ -84,11 +98,14 @@ class Coordinator:
                 if not self._pending:
                     self._pending_since = time.monotonic()
                 self._pending.append(failure)
-                self._prepare(failure.rank)
+                self._prepare(failure.rank, failure.worker)
+                self._alarm()
         for text in control.read_list(self.store, control.WAIT_COUNT, "wait/", self._wait_read):
             self._wait_read += 1
             report = control.Waiting(**json.loads(text))
             self._waiting.setdefault(report.generation, {})[report.worker] = report
+            if report.generation == self.generation:
+                self._alarm()  # a survivor left: nobody need wait out a collective timeout
         if not self._pending:
             self._find_stalled()
         if not self._pending or (time.monotonic() - self._pending_since < self.spec.settle_s
@@ -140,6 +157,7 @@ class Coordinator:
             plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
                                 failures=[dataclasses.asdict(f) for f in failures], failures_read=self._fail_read)
             _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
+        self._alarm()  # (already done when a failure or a report came in)
         self.store.set(f"plan/{g}", plan.to_json())
         self.generation = g
         for wid in plan.replaced.values():
@@ -152,7 +170,7 @@ class Coordinator:
         seen = {f.worker for f in self._pending} | set(self._waiting.get(self.generation, {}))
         return set(self._current_plan().workers.values()) <= seen
 
-    def _prepare(self, rank: int) -> None:
+    def _prepare(self, rank: int, replaces: str = "") -> None:
         """Tell a ready spare at once which rank it will take, so that it builds that rank's engine
         while the coordinator settles and plans (the plan then gives it that rank)."""
         if rank in self._prepared:
@@ -162,7 +180,7 @@ class Coordinator:
         if pick is None:
             return
         self._prepared[rank] = pick[rank]
-        prepare = control.Prepare(rank, self.world_size, self.generation + 1)
+        prepare = control.Prepare(rank, self.world_size, self.generation + 1, replaces)
         self.store.set(f"prepare/{pick[rank]}", json.dumps(dataclasses.asdict(prepare)))
         control.wake(self.store, pick[rank])
 

@@ -39,6 +39,11 @@ class RecoveryError(RuntimeError):
 # Messages of the errors a collective raises when a peer died or the group broke (gloo's tcp
 # transport, NCCL); a training step that raises anything else has a bug, which recovery must
 # not hide. Kept specific: a user error that merely mentions a "timeout" is not a fault.
+class GenerationFailed(RuntimeError):
+    """Raised in the training thread (a module's forward) once the coordinator has said that this
+    worker's generation failed: it leaves for the recovery now instead of at its next collective."""
+
+
 _DISTRIBUTED_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                         "connection refused", "timed out waiting", "gloo/transport", "read error [",
                         "write error [", "nccl error", "ncclremoteerror", "ncclsystemerror",
@@ -47,7 +52,7 @@ _DISTRIBUTED_MARKERS = ("connection closed by peer", "connection reset by peer",
 
 def is_distributed_error(exc: BaseException) -> bool:
     """Whether ``exc`` says a peer or the group failed (as opposed to a bug in the step)."""
-    if isinstance(exc, (MirrorError, TransferError, TimeoutError, ConnectionError)):
+    if isinstance(exc, (MirrorError, TransferError, TimeoutError, ConnectionError, GenerationFailed)):
         return True
     if isinstance(exc, (dist.DistError, dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
         return True

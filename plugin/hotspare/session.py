@@ -16,6 +16,7 @@ import datetime
 import functools
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ from .keeper import KeeperClient, KeeperError
 from .mirror import NO_VERSION, Inherited, Mirror, MirrorError
 from .placement import place
 from .planning import KEEPER, STRIPE, NoConsistentVersion, choose_version
-from .recovery import RecoveryError, exchange_holdings, is_distributed_error, is_timeout, start_fetch
+from .recovery import (GenerationFailed, RecoveryError, exchange_holdings, is_distributed_error, is_timeout,
+                       start_fetch)
 from .retain import RetainedSnapshots
 from .snapshot import Layout
 from .sockets import abort_nccl, break_connections
@@ -86,19 +88,39 @@ class Session:
     at or past that step; then ``caught_up/<g>`` tells the launchers to start their successor spares."""
 
     def __post_init__(self) -> None:
+        self._alarmed = threading.Event()
+        self._interrupts = []
+        if self.heartbeat is not None:
+            # A forward under way raises once the generation failed (see _check_alarm).
+            self._interrupts = [m.register_forward_pre_hook(self._check_alarm) for m in self._interruptible()]
         if self.heartbeat is not None and not self.spare:
             self.heartbeat.watch(self.generation.index, self._superseded)
 
+    def _interruptible(self) -> list:
+        """The modules whose forward checks for the coordinator's alarm: where a step computes
+        for a while with no collective that the broken connections would make raise (DeepSpeed
+        ZeRO 1/2's forward). None by default."""
+        return []
+
+    def _check_alarm(self, module, args) -> None:
+        if self._alarmed.is_set():
+            raise GenerationFailed(f"the coordinator says generation {self.generation.index} failed (a peer "
+                                   f"died or left); leaving the step for the recovery")
+
     def _superseded(self) -> None:
-        """The heartbeat thread saw the next generation's plan while this worker still trains in
-        the current one: a peer was given up without a broken socket (a lost or partitioned node).
-        Whatever collective the training thread waits in raises now instead of at its timeout."""
-        log(f"rank {self.generation.rank}: the coordinator planned generation {self.generation.index + 1}; "
-            f"leaving generation {self.generation.index} now")
-        try:
-            abort_nccl([r.group for r in self.host_groups()])
-        except Exception:  # noqa: BLE001 - best effort from another thread; the sockets are next
-            pass
+        """The coordinator said that this worker's generation failed (its alarm, or the next
+        generation's plan) while this worker still trains in it: a peer is dying (its sockets
+        reset only once the kernel tore down its memory) or was given up without a broken socket
+        (a lost or partitioned node). Whatever collective the training thread waits in raises
+        now, and the next one at once, instead of at its timeout."""
+        log(f"rank {self.generation.rank}: the coordinator says generation {self.generation.index} failed; "
+            f"leaving it now")
+        self._alarmed.set()
+        if self.backend != "gloo":
+            try:  # (a walk of the host's objects: for NCCL's communicators only)
+                abort_nccl([r.group for r in self.host_groups()])
+            except Exception:  # noqa: BLE001 - best effort from another thread; the sockets are next
+                pass
         break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
 
     # ---- the training-loop API ---------------------------------------------------------------
@@ -167,6 +189,7 @@ class Session:
         t0 = time.monotonic()
         if self.heartbeat is not None:
             self.heartbeat.watch(None)
+        self._alarmed.clear()  # the alarm (if it came) is being answered
         failed_at = self.step_count()
         # The coordinator first: once every survivor has said so, it plans without waiting out
         # its settle window (the walk for the host's groups comes after).
@@ -570,6 +593,9 @@ class Session:
         if self.heartbeat is not None:
             self.heartbeat.close()
             self.heartbeat = None
+        for hook in self._interrupts:
+            hook.remove()
+        self._interrupts = []
         if self.events is not None:
             self.events.close()
         for group in self.groups:

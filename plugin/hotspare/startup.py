@@ -128,10 +128,16 @@ def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lamb
     t_order = time.monotonic()
     plan = None
     if isinstance(order, control.Prepare):
-        rank, world, generation = order.rank, order.world_size, order.generation
+        rank, world, generation, replaces = order.rank, order.world_size, order.generation, order.replaces
     else:
         plan = order
         rank, world, generation = plan.rank_of(worker_id()), plan.world_size, plan.generation
+        replaces = next((f["worker"] for f in plan.failures if f["rank"] == rank), "")
+    if replaces and env.configure_accelerator() != "cpu":
+        # The failure was reported when its process began to exit; its device memory is
+        # released only when it is gone.
+        control.wait_key(store, control.exited_key(replaces), cfg.recovery.rendezvous_timeout_s,
+                         f"the failed worker {replaces} to exit (its device is this spare's)")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     # The dead rank's device index on its node (free now that it died). A spare on another
     # node would need a device its launcher reserved: not built yet (CPU-only so far).

@@ -28,12 +28,17 @@ def worker_id() -> str:
 
 
 class Heartbeat:
-    """Beats ``hb/<wid>`` every ``interval_s`` from a thread with its own store connection.
+    """Beats ``hb/<wid>`` every ``interval_s`` from a thread with its own store connection, and
+    listens for the coordinator's alarm from another.
 
     The launcher kills a worker whose counter stops moving for ``timeout_s`` (published once
     in ``hb/<wid>/timeout``). ``close`` writes -1: a worker that says goodbye is not hung.
-    The thread only waits on an Event and does one store write per beat, so it keeps beating
+    The beat thread only waits on an Event and does one store write per beat, so it keeps beating
     while the training thread is blocked inside a collective (which releases the GIL).
+
+    The alarm thread blocks in the store (a connection of its own) on ``alarm/<g>/<wid>`` for
+    the generation g this worker trains in (:meth:`watch`); the coordinator sets it the moment
+    it learns that g failed.
     """
 
     def __init__(self, wid: str, interval_s: float, timeout_s: float, store=None):
@@ -42,21 +47,38 @@ class Heartbeat:
         self._store.set(f"hb/{wid}/timeout", str(timeout_s))
         self._beat = 0
         self._store.set(f"hb/{wid}", "0")
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._watching: int | None = None
         self._on_superseded = None
+        self._listening: int | None = None  # the generation whose alarm key the alarm thread waits on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"hotspare-heartbeat-{wid}", daemon=True)
         self._thread.start()
+        self._alarm_store = store_from_env() if store is None else None
+        self._alarm_thread = None
+        if self._alarm_store is not None:
+            self._alarm_thread = threading.Thread(target=self._listen, name=f"hotspare-alarm-{wid}", daemon=True)
+            self._alarm_thread.start()
 
     def watch(self, generation: int | None, on_superseded=None) -> None:
-        """While this worker trains in ``generation``, call ``on_superseded()`` (from this thread)
-        as soon as the coordinator's plan for the next one appears: the coordinator has given up
-        a peer (its node was lost, say) that this worker may be blocked on in a collective whose
-        sockets will not break by themselves (a partition sends no reset). None: stop watching
-        (the worker is recovering)."""
+        """While this worker trains in ``generation``, call ``on_superseded()`` (from another
+        thread) as soon as the coordinator says that generation failed (its alarm) or plans the
+        next one: a peer may be dying, lost or cut off while this worker is blocked on it in a
+        collective whose sockets have not broken yet (a dead process's connections reset only
+        after the kernel tore down its memory; a partition sends no reset at all). None: stop
+        watching (the worker is recovering)."""
         with self._lock:
             self._watching, self._on_superseded = generation, on_superseded
+            self._lock.notify_all()
+
+    def _fire(self, generation: int) -> None:
+        with self._lock:
+            if self._watching != generation:
+                return  # recovering already, or already past it
+            self._watching = None
+            callback = self._on_superseded
+        if callback is not None:
+            callback()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -65,17 +87,42 @@ class Heartbeat:
                 self._store.set(f"hb/{self.wid}", str(self._beat))
                 g = self._watching
                 if g is not None and self._store.check([f"plan/{g + 1}"]):
-                    with self._lock:
-                        if self._watching == g:  # not recovering already
-                            self._watching = None
-                            if self._on_superseded is not None:
-                                self._on_superseded()
+                    self._fire(g)
             except Exception:  # noqa: BLE001 - the launcher is gone: nobody is listening
                 return
 
+    def _listen(self) -> None:
+        g = 0
+        while True:
+            with self._lock:
+                while not self._stop.is_set() and (self._watching is None or self._watching < g):
+                    self._lock.wait()
+                if self._stop.is_set():
+                    return
+                g = self._watching
+                self._listening = g
+            try:
+                self._alarm_store.wait([control.alarm_key(g, self.wid)], control.WAKE_WAIT)
+            except Exception:  # noqa: BLE001 - the store is gone (the job ended or its launcher died)
+                return
+            if self._stop.is_set():
+                return
+            self._fire(g)
+            g += 1
+
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+            listening = self._listening
+        if listening is not None:
+            try:  # ends the alarm thread's wait (only this worker waits on its key)
+                self._store.set(control.alarm_key(listening, self.wid), "closed")
+            except Exception:  # noqa: BLE001 - the store is gone: so is the wait
+                pass
         self._thread.join(timeout=self.interval_s + 5)
+        if self._alarm_thread is not None:
+            self._alarm_thread.join(timeout=5)
         try:
             self._store.set(f"hb/{self.wid}", "-1")
         except Exception:  # noqa: BLE001

@@ -75,6 +75,15 @@ class DeepSpeedSession(Session):
     def step_count(self) -> int:
         return self.engine.global_steps
 
+    def _interruptible(self) -> list:
+        # ZeRO 1/2's forward runs no collective: the blocks of the model check for the alarm
+        # (modules with children: a hook per block, not per layer). ZeRO 3's forward gathers
+        # parameters, which raise at once on the broken connections (and a hook raising between
+        # its own fetch hooks would leave its parameter coordinator mid-fetch).
+        if self.engine.zero_optimization_stage() == 3:
+            return []
+        return [m for m in self.engine.module.modules() if next(m.children(), None) is not None]
+
     def roots(self) -> list:
         """Where DeepSpeed keeps process-group handles (walked by :mod:`hotspare.rebuild`)."""
         import deepspeed.comm.comm
