@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import itertools
 import json
 import os
 import threading
@@ -92,24 +91,18 @@ class Session:
         self._alarmed = threading.Event()
         self._interrupts = []
         if self.heartbeat is not None:
-            # A forward or backward under way raises once the generation failed (_check_alarm):
-            # at the next block's forward, or when the next block's first gradient is in.
-            modules = self._interruptible()
-            firsts = {id(p): p for m in modules for p in itertools.islice(m.parameters(), 1)}
-            self._interrupts = [m.register_forward_pre_hook(self._check_alarm) for m in modules] + \
-                [p.register_post_accumulate_grad_hook(self._check_alarm) for p in firsts.values()]
+            # A forward under way raises once the generation failed (see _check_alarm).
+            self._interrupts = [m.register_forward_pre_hook(self._check_alarm) for m in self._interruptible()]
         if self.heartbeat is not None and not self.spare:
             self.heartbeat.watch(self.generation.index, self._superseded)
 
     def _interruptible(self) -> list:
-        """The modules whose forward (and whose first parameter's gradient) checks for the
-        coordinator's alarm: where a step computes for a while with no collective that the broken
-        connections would make raise (DeepSpeed ZeRO 1/2's forward, and its backward until a
-        gradient bucket fills). None by default. A step cut short this way leaves what a peer's
-        error mid-backward leaves; the restore clears it (``state.resync``)."""
+        """The modules whose forward checks for the coordinator's alarm: where a step computes
+        for a while with no collective that the broken connections would make raise (DeepSpeed
+        ZeRO 1/2's forward). None by default."""
         return []
 
-    def _check_alarm(self, *_) -> None:
+    def _check_alarm(self, module, args) -> None:
         if self._alarmed.is_set():
             raise GenerationFailed(f"the coordinator says generation {self.generation.index} failed (a peer "
                                    f"died or left); leaving the step for the recovery")

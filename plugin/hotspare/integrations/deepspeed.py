@@ -76,9 +76,8 @@ class DeepSpeedSession(Session):
         return self.engine.global_steps
 
     def _interruptible(self) -> list:
-        # ZeRO 1/2's forward runs no collective, nor its backward until a bucket fills: the
-        # blocks of the model check for the alarm (modules with children: a hook per block, not
-        # per layer). ZeRO 3's forward gathers
+        # ZeRO 1/2's forward runs no collective: the blocks of the model check for the alarm
+        # (modules with children: a hook per block, not per layer). ZeRO 3's forward gathers
         # parameters, which raise at once on the broken connections (and a hook raising between
         # its own fetch hooks would leave its parameter coordinator mid-fetch).
         if self.engine.zero_optimization_stage() == 3:
