@@ -53,14 +53,13 @@ KILL_COUNT = "kill/count"
 ABORT = "abort"
 SPARE_COUNT = "spare/count"
 SHUTDOWN = "shutdown"
-STORE_POLL_S = 0.02
-"""How often an idle wait looks at the store."""
 WAKE_WAIT = datetime.timedelta(days=7)
-"""A spare's blocking wait on ``wake/<wid>``: without limit in practice (a wait that times out
-leaves the store connection unusable), and short of poll()'s 2**31 ms."""
+"""A blocking wait that has no end of its own (a spare's on ``wake/<wid>``, a worker's on its
+alarm): without limit in practice, and short of poll()'s 2**31 ms."""
 RECOVERY_POLL_S = 0.005
-"""How often a wait on a recovery's path (a plan, an order, the new generation's members) looks:
-these waits last a fraction of a second and their poll delay adds up into the recovery's time."""
+"""How often a polled wait on a recovery's path looks (the new generation's members; the
+launcher while a failure waits for its plan): these waits last a fraction of a second and their
+poll delay adds up into the recovery's time."""
 
 
 def wake_key(wid: str) -> str:

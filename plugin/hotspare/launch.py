@@ -500,8 +500,7 @@ class Launcher:
         """A failure of ``w`` to the coordinator: gone (then ``exited/<wid>`` too), or ``w.dying``
         (its exit began; ``exited/<wid>`` follows once it is gone, see :meth:`_watch`)."""
         if not w.dying:
-            w.finish()
-            self.store.set(control.exited_key(w.wid), str(code))
+            self._gone(w, code)
         failure = control.Failure(worker=w.wid, rank=w.rank, code=code, reason=reason, wall_time=time.time(),
                                   detect_s=detect_s)
         what = f"rank {w.rank}" if w.rank >= 0 else f"spare {w.wid}"
@@ -509,6 +508,11 @@ class Launcher:
                "watchdog": f"stuck (its peers' collectives timed out waiting for it; {detect_s:.1f} s), killed"}[reason]
         _log(f"{what} ({w.wid}, node {w.node}) failed: {how}")
         control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
+
+    def _gone(self, w: Worker, code: int) -> None:
+        """A failed worker's process is gone: ``exited/<wid>`` (a spare taking its device waits for it)."""
+        w.finish()
+        self.store.set(control.exited_key(w.wid), str(code))
 
     def _check_heartbeat(self, w: Worker, now: float) -> None:
         key = f"hb/{w.wid}"
@@ -550,8 +554,7 @@ class Launcher:
                 elif not w.dying:
                     self._check_heartbeat(w, now)
             elif w.dying:
-                w.finish()  # reported when its exit began
-                self.store.set(control.exited_key(w.wid), str(code))
+                self._gone(w, code)  # reported when its exit began
             elif code == 0 or self._stopping:
                 w.finish()  # done, or stopped by this launcher: nothing to report
             else:

@@ -36,14 +36,14 @@ class RecoveryError(RuntimeError):
     """Recovery cannot go on; the message says what was lost and what to do."""
 
 
-# Messages of the errors a collective raises when a peer died or the group broke (gloo's tcp
-# transport, NCCL); a training step that raises anything else has a bug, which recovery must
-# not hide. Kept specific: a user error that merely mentions a "timeout" is not a fault.
 class GenerationFailed(RuntimeError):
     """Raised in the training thread (a module's forward) once the coordinator has said that this
     worker's generation failed: it leaves for the recovery now instead of at its next collective."""
 
 
+# Messages of the errors a collective raises when a peer died or the group broke (gloo's tcp
+# transport, NCCL); a training step that raises anything else has a bug, which recovery must
+# not hide. Kept specific: a user error that merely mentions a "timeout" is not a fault.
 _DISTRIBUTED_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                         "connection refused", "timed out waiting", "gloo/transport", "read error [",
                         "write error [", "nccl error", "ncclremoteerror", "ncclsystemerror",
