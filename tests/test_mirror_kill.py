@@ -37,3 +37,4 @@ def test_sender_killed_mid_transfer_never_commits(tmp_path, no_leaks):
     assert r["committed_version"] == 1, "a partial transfer became committed"
     assert r["committed_digest"] == r["expected_v1_digest"] != r["v2_digest"]
     assert r["own_v1_kept"]
+    assert r["short_message_lands_at_start"], "gloo no longer lands a short message in a longer buffer (mirror.py's first message)"

@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from hotspare.mirror import NO_VERSION, TAG_DATA, Mirror, MirrorError
+from hotspare.mirror import HEADER_BYTES, NO_VERSION, TAG_DATA, TAG_HEADER, Mirror, MirrorError
 from hotspare.placement import place
 from hotspare.snapshot import Layout, read_meta
-from hotspare.transport import LocalFabric
+from hotspare.transport import LocalFabric, TransferError
 
 
 class ThreadAllReduceMin:
@@ -183,8 +183,9 @@ def test_corrupted_bytes_fail_the_checksum_and_are_never_committed():
                 class Flip:
                     def wait(self, timeout_s):
                         handle.wait(timeout_s)
-                        if tag != 71 and tensor.numel() > 100:
-                            tensor[100] ^= 0xFF
+                        at = 100 + (HEADER_BYTES if tag == TAG_HEADER else 0)  # a payload byte
+                        if tensor.numel() > at:
+                            tensor[at] ^= 0xFF
                 return Flip()
             m1.transport.recv = recv
             try:
@@ -255,6 +256,63 @@ def test_close_ends_the_thread():
     for m in mirrors:
         m.close()
     assert not any(t.name.startswith("hotspare-mirror") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 1000])
+def test_a_transfer_is_one_first_message_then_chunks_and_survives_size_changes(chunk_bytes):
+    """A copy that fits in a chunk travels as one message (header + bytes); a bigger one as that
+    first message and the rest in chunks. The receiver posts its first receive before it knows
+    the size, so the state growing and shrinking within a generation must still commit bitwise."""
+    fabric, holders, mirrors = build(n=2, chunk_bytes=chunk_bytes)
+    sent = {0: [], 1: []}
+    for m in mirrors:
+        real = m.transport.send
+
+        def counting(tensor, dst, tag, real=real, r=m.rank):
+            sent[r].append((tag, tensor.numel()))
+            return real(tensor, dst, tag)
+        m.transport.send = counting
+    sizes = {1: 5000, 2: 5000, 3: 20000, 4: 300, 5: 5000}
+
+    def loop(r):
+        for v, numel in sizes.items():
+            st = make_state(r, v, numel)
+            mirrors[r].on_step(v, lambda: st, dict)
+            mirrors[r].flush()
+            version, buf = mirrors[1 - r].read_committed(r)
+            views = Layout.of(st).views(buf)  # the source's layout of v (the holder's own may differ by now)
+            assert version == v and [t.view(torch.uint8).tolist() for t in views] == \
+                [t.reshape(-1).view(torch.uint8).tolist() for _, t in st], (r, v)
+
+    try:
+        run_ranks(2, loop)
+        layouts = [Layout.of(make_state(0, v, n)).nbytes for v, n in sizes.items()]
+        expected = []
+        for nbytes in layouts:
+            first = min(nbytes, chunk_bytes)
+            expected.append((TAG_HEADER, HEADER_BYTES + first))
+            expected += [(TAG_DATA, min(chunk_bytes, nbytes - lo)) for lo in range(first, nbytes, chunk_bytes)]
+        assert sent[0] == expected
+        assert mirrors[1].stats.commit_failures == 0
+    finally:
+        for m in mirrors:
+            m.close()
+
+
+def test_local_transport_lands_a_short_message_at_the_start_and_refuses_a_long_one():
+    """LocalTransport behaves as gloo does (tests/test_mirror_kill.py pins gloo)."""
+    fabric = LocalFabric()
+    a, b = fabric.endpoint(0), fabric.endpoint(1)
+    landing = torch.full((10,), 7, dtype=torch.uint8)
+    send = a.send(torch.arange(4, dtype=torch.uint8), 1, 3)
+    b.recv(landing, 0, 3).wait(5)
+    send.wait(5)
+    assert landing.tolist() == [0, 1, 2, 3, 7, 7, 7, 7, 7, 7]
+    send = a.send(torch.arange(11, dtype=torch.uint8), 1, 3)
+    with pytest.raises(TransferError, match="11 bytes 0->1 tag 3 do not fit the 10 bytes posted"):
+        b.recv(landing, 0, 3).wait(5)
+    with pytest.raises(TransferError, match="do not fit"):
+        send.wait(5)
 
 
 def test_layout_is_aligned_and_stable():

@@ -33,7 +33,9 @@ class Transport(Protocol):
         """Start sending ``tensor`` (contiguous, host memory) to ``dst``; matched by (src, dst, tag) order."""
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Handle:
-        """Start receiving from ``src`` into ``tensor`` (same byte size as the matching send)."""
+        """Start receiving from ``src`` into ``tensor``: the matching send's bytes land at its
+        start (a send longer than ``tensor`` fails; what the message says of its length is the
+        caller's business, as with gloo)."""
 
     def close(self) -> None:
         """Release resources; pending operations fail."""
@@ -128,11 +130,13 @@ class _LocalRecv:
                 waited += step
                 if waited >= timeout_s:
                     raise TransferError(f"recv {self.src}->{self.dst} timed out after {timeout_s} s") from None
-        if msg.tensor.numel() * msg.tensor.element_size() != self.tensor.numel() * self.tensor.element_size():
-            msg.error = f"size mismatch {self.src}->{self.dst} tag {self.tag}"
+        sent = msg.tensor.numel() * msg.tensor.element_size()
+        if sent > self.tensor.numel() * self.tensor.element_size():
+            msg.error = (f"{sent} bytes {self.src}->{self.dst} tag {self.tag} do not fit the "
+                         f"{self.tensor.numel() * self.tensor.element_size()} bytes posted")
             msg.done.set()
             raise TransferError(msg.error)
-        self.tensor.view(-1).view(torch.uint8).copy_(msg.tensor.reshape(-1).view(torch.uint8))
+        self.tensor.view(-1).view(torch.uint8)[:sent].copy_(msg.tensor.reshape(-1).view(torch.uint8))
         msg.done.set()
 
 
