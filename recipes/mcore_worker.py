@@ -190,17 +190,6 @@ def main() -> int:
 # megatron-core 0.16's default for the distributed optimizer ('fully_sharded_model_space') is
 # deprecated and refused by its own ShardedTensor check (flattened_range); 'dp_reshardable'
 # saves each rank's buffers in parallel, with no gather: the fastest save and load it offers.
-CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-def _sharded_state(session, is_loading: bool = False) -> dict:
-    # The GPTModel inside DDP: DDP's own sharded_state_dict prefixes "module." and its
-    # load_state_dict does not.
-    model_sd = session.model[0].module.sharded_state_dict(metadata=CHECKPOINT_METADATA)
-    return {"model": model_sd, "optimizer": session.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                                                metadata=CHECKPOINT_METADATA)}
-
-
 def save_checkpoint(session, directory: str, iteration: int) -> None:
     """megatron-core's own persistent checkpoint (dist_checkpointing) of ``iteration``, plus the
     iteration, scheduler and this rank's RNG states (what a bitwise resume needs besides the tensors)."""
@@ -208,27 +197,19 @@ def save_checkpoint(session, directory: str, iteration: int) -> None:
 
     path = os.path.join(directory, f"iter{iteration:07d}")
     os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save(_sharded_state(session), path)
-    extras = session.state.extras()
-    torch.save(extras, os.path.join(path, f"extras_rank{session.generation.rank}.pt"))
+    dist_checkpointing.save(session.state.sharded_state_dict(), path)
+    torch.save(session.state.extras(), os.path.join(path, megatron.extras_file(session.generation.rank)))
     dist.barrier()
 
 
 def load_checkpoint(session, directory: str) -> int:
-    """Load the newest checkpoint under ``directory`` into the live objects; returns its iteration."""
-    from megatron.core import dist_checkpointing
-
+    """Load the newest checkpoint under ``directory`` into the live objects (hotspare's loader,
+    which also mends megatron-core's Adam step counts: see MegatronState.load_checkpoint);
+    returns its iteration."""
     paths = sorted(glob.glob(os.path.join(directory, "iter*")))
     if not paths:
         raise RuntimeError(f"no checkpoint under {directory} to resume from")
-    path = paths[-1]
-    session.state.ensure_optimizer_state()
-    state = dist_checkpointing.load(_sharded_state(session, is_loading=True), path)
-    session.model[0].module.load_state_dict(state["model"])
-    with torch.no_grad():  # fp32 parameters: the optimizer's shards are views of them (leaves that need grad)
-        session.optimizer.load_state_dict(state["optimizer"])
-    extras = torch.load(os.path.join(path, f"extras_rank{session.generation.rank}.pt"), weights_only=False)
-    session.state.load_extras(extras)
+    session.state.load_checkpoint(directory, os.path.basename(paths[-1]))
     return session.state.iteration
 
 

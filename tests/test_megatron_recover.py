@@ -19,9 +19,9 @@ WORKER = os.path.join(WORKERS, "megatron_recover.py")
 ITERS = 5
 
 
-def run(out, kill="none", spares=1, keeper=True):
+def run(out, kill="none", spares=1, keeper=True, ckpt_every=0):
     out.mkdir(parents=True)
-    code = launch.run(launch.LaunchSpec(script=[WORKER, str(out), str(ITERS), kill], nproc_per_node=4,
+    code = launch.run(launch.LaunchSpec(script=[WORKER, str(out), str(ITERS), kill, str(ckpt_every)], nproc_per_node=4,
                                         logical_nodes=2, spares_per_node=spares, keeper=keeper, stall_grace_s=2.0,
                                         extra_env={"OMP_NUM_THREADS": "1"}))
     results = {}
@@ -64,3 +64,37 @@ def test_a_pipeline_rank_killed_mid_iteration_is_replaced_in_place_bitwise(kill,
             assert set(b["losses"]) >= {str(i) for i in range(0 if not b["spare"] else landed, ITERS)}
         assert len(b["recoveries"]) == 1, b["recoveries"]
         assert b["stale_group_calls"] == 0, f"rank {rank} ran collectives on destroyed groups"
+
+
+def events(out) -> list[dict]:
+    return [json.loads(line) for path in sorted(glob.glob(str(out / "events" / "*.jsonl")))
+            for line in open(path, encoding="utf-8")]
+
+
+def test_losing_a_rank_and_its_only_holder_falls_back_on_the_persistent_checkpoint(tmp_path, tmp_path_factory,
+                                                                                  no_leaks):
+    """Rank 1 (first stage, node 0) and rank 3 (last stage, node 1), the only holder of rank 1's
+    mirror copy, die together at the start of iteration 3, with no keeper. Every rank, two of them spares, loads the
+    newest complete dist_checkpointing checkpoint (saved every 2 iterations: iteration 2), runs
+    iterations 2-4 again and ends bitwise identical to the run that never failed."""
+    ref = reference(tmp_path_factory)
+    out = tmp_path / "out"
+    code, got = run(out, kill="1:3:0:start,3:3:0:start", keeper=False, ckpt_every=2)
+    assert code == 0
+    assert sorted(got) == [0, 1, 2, 3] and got[1]["spare"] and got[3]["spare"]
+    starts = [e for e in events(out) if e["kind"] == "mirror_start" and e["generation"] == 0]
+    assert [e["holders"] for e in starts if e["rank"] == 1] == [[3]], starts  # rank 1's only copy dies with 3
+    for rank in range(4):
+        a, b = ref[rank], got[rank]
+        assert b["iteration"] == ITERS
+        assert (b["state"], b["sched_steps"]) == (a["state"], a["sched_steps"]), f"rank {rank}: final state differs"
+        assert b["losses"] == {k: a["losses"][k] for k in b["losses"]}, f"rank {rank}: losses differ"
+    fallback = [e for e in events(out) if e["kind"] == "fallback"]
+    assert len(fallback) == 4 and {e["version"] for e in fallback} == {2}, fallback
+    assert {e["checkpoint"] for e in fallback} == {str(out / "ckpt" / "global_step2")}
+    assert all("every copy of rank(s) 1 is lost" in e["reason"] for e in fallback), fallback[0]["reason"]
+    restores = [e for e in events(out) if e["kind"] == "restore" and e["generation"] > 0]
+    assert {e["source"] for e in restores} == {"checkpoint"} and {e["version"] for e in restores} == {2}
+    # Iteration 4's checkpoint is written in the run after the fallback; keep=2 leaves both.
+    kept = sorted(n for n in os.listdir(out / "ckpt") if n.startswith("global_step"))
+    assert kept == ["global_step2", "global_step4"], kept

@@ -22,7 +22,6 @@ def _never_built():
 
 
 @pytest.mark.parametrize("config,kwargs,message", [
-    ({"checkpoint": {"every": 10, "dir": "/tmp/x"}}, {}, "hotspare.checkpoint"),
     ({}, {"create_gloo_process_groups": True}, "create_gloo_process_groups"),
 ])
 def test_what_the_megatron_path_cannot_rebuild_is_refused_before_anything_starts(config, kwargs, message):

@@ -151,3 +151,16 @@ def test_dist_checkpointing_saves_and_loads_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "-c", DIST_CHECKPOINT, str(ckpt)], capture_output=True, text=True,
                           timeout=240, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "round trip ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_first_checkpoint_save_starts_a_manager_process_hotspare_starts_early():
+    """megatron-core 0.16.1's first dist_checkpointing.save spawns a multiprocessing manager (about
+    3 s here) through a module-level function that keeps it; hotspare calls that function on a
+    thread of its own at initialisation (megatron.warm_up_checkpoint_writer)."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    source = inspect.getsource(filesystem_async._get_write_results_queue)
+    assert "global _results_queue" in source and "Manager()" in source, source
+    assert hasattr(filesystem_async, "_results_queue")

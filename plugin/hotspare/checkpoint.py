@@ -1,7 +1,11 @@
-"""Persistent DeepSpeed checkpoints, written off the critical path: the last tier.
+"""Persistent checkpoints: the last tier.
 
 They are read only when every in-memory copy of some rank's state is lost (a rank and all the
-holders of its mirror died together). ``engine.save_checkpoint`` stays DeepSpeed's: the files
+holders of its mirror died together). Both hosts share the directory scheme below (a
+``global_step<N>`` directory per tag, a completion marker per rank); on megatron-core the files
+are ``dist_checkpointing``'s (:meth:`hotspare.integrations.megatron.MegatronSession.save_checkpoint`).
+
+On DeepSpeed they are written off the critical path. ``engine.save_checkpoint`` stays DeepSpeed's: the files
 and their layout are DeepSpeed's own (``<dir>/<tag>/mp_rank_00_model_states.pt``,
 ``zero_pp_rank_<R>_mp_rank_00_optim_states.pt``, ...), and ``engine.load_checkpoint(dir, tag)``
 reads them. What hotspare changes is the checkpoint engine DeepSpeed writes through
@@ -49,6 +53,15 @@ def complete_steps(directory: str, world_size: int) -> list[int]:
         if all(mk is not None and mk.get("world_size") == world_size for mk in markers):
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def write_marker(directory: str, tag: str, rank: int, world_size: int, files: list[str], nbytes: int) -> None:
+    """Say that every file of ``rank`` for ``tag`` is on disk (call after the last one is; the
+    marker itself is replaced atomically, so a crash leaves it whole or absent)."""
+    marker = os.path.join(directory, tag, _MARKER.format(rank=rank))
+    with open(marker + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"world_size": world_size, "files": files, "bytes": nbytes}, f)
+    os.replace(marker + ".tmp", marker)
 
 
 def _read_marker(path: str) -> dict | None:
@@ -181,11 +194,7 @@ def engine_class() -> type:
                 torch.save(state, tmp, _use_new_zipfile_serialization=self.zipfile_serialization)
                 os.replace(tmp, path)  # a crash mid-write leaves no file under the real name
                 nbytes += os.path.getsize(path)
-            marker = os.path.join(save_dir, tag, _MARKER.format(rank=self.rank))
-            with open(marker + ".tmp", "w", encoding="utf-8") as f:
-                json.dump({"world_size": self.world_size, "files": [os.path.basename(p) for _, p in files],
-                           "bytes": nbytes}, f)
-            os.replace(marker + ".tmp", marker)
+            write_marker(save_dir, tag, self.rank, self.world_size, [os.path.basename(p) for _, p in files], nbytes)
             m = _TAG.match(tag)
             self.on_event("checkpoint_saved", version=int(m.group(1)) if m else None, tag=tag, bytes=nbytes,
                           seconds=time.monotonic() - t0)

@@ -100,13 +100,15 @@ class RecoveryConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Persistent DeepSpeed checkpoints: the last tier, loaded only when every in-memory copy of
-    some rank's state is lost (a rank and all its mirror holders died together)."""
+    """Persistent checkpoints: the last tier, loaded only when every in-memory copy of some rank's
+    state is lost (a rank and all its mirror holders died together). DeepSpeed's own checkpoint
+    files, or megatron-core's ``dist_checkpointing`` ones."""
 
     dir: str = ""
     """Directory every node can read (shared storage: a spare may load another node's rank); empty: off."""
     every: int = 0
-    """Optimizer steps between saves (0: off). Written by a background thread, off the critical path."""
+    """Optimizer steps between saves (0: off). DeepSpeed: written by a background thread, off the
+    critical path; megatron-core: written by ``dist_checkpointing.save`` on the training thread."""
     keep: int = 2
     """Newest complete checkpoints kept; older ones (and incomplete ones older than them) are deleted."""
 

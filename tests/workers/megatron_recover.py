@@ -2,8 +2,11 @@
 1F1B, 4 microbatches, distributed Adam) trained through hotspare.integrations.megatron under
 hotspare-run; one rank SIGKILLs itself mid-iteration.
 
-Usage: megatron_recover.py OUT ITERS KILL, KILL = 'none' or 'RANK:ITER:MICRO:PHASE' with PHASE
-forward (in the forward step of microbatch MICRO) or step (before the optimizer step). Each
+Usage: megatron_recover.py OUT ITERS KILL [CKPT_EVERY], KILL = 'none' or comma-separated
+'RANK:ITER:MICRO:PHASE' with PHASE forward (in the forward step of microbatch MICRO), step
+(before the optimizer step) or start (before the iteration's first collective; every 'start'
+target of that iteration waits for the others there, so they die together: a rank and its only
+mirror holder). CKPT_EVERY > 0: persistent checkpoints every that many iterations. Each
 process that finishes writes OUT/<worker id>.json: the last stage's losses by iteration, the
 digest of its shards and Adam moments, the scheduler's count, its recoveries, and how many
 collectives the main thread ran on a destroyed group after a rebuild (a tripwire on
@@ -17,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 from torch.distributed import distributed_c10d as c10d
@@ -41,29 +45,45 @@ def tripwire() -> None:
     c10d._rank_not_in_group = check
 
 
-def main(out: str, iters: int, kill: str) -> None:
+def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     megatron_core_cpu.apply()
     tripwire()
-    target = None
+    targets = set()
     if kill != "none":
-        r, it, mb, phase = kill.split(":")
-        target = (int(r), int(it), int(mb), phase)
+        for spec in kill.split(","):
+            r, it, mb, phase = spec.split(":")
+            targets.add((int(r), int(it), int(mb), phase))
     config = {"events_dir": os.path.join(out, "events"), "mirror": {"chunk_mb": 0.01, "timeout_s": 20.0},
               "recovery": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "collective_timeout_s": 30.0,
                            "rendezvous_timeout_s": 60.0}}
+    if ckpt_every:
+        config["checkpoint"] = {"dir": os.path.join(out, "ckpt"), "every": ckpt_every, "keep": 2}
     session = megatron.initialize(lambda: mcore_gpt.build(gloo_groups=False), config,
                                   pipeline_model_parallel_size=mcore_gpt.PP)
     rank = session.generation.rank
     microbatch = [0]
 
     def due(it: int, mb: int, phase: str) -> bool:
-        return target is not None and not session.spare and target == (rank, it, mb, phase)
+        return not session.spare and (rank, it, mb, phase) in targets
+
+    def die_together(it: int) -> None:
+        """Every 'start' target of iteration ``it`` says it is here, waits for the others, then dies."""
+        together = sorted(t[0] for t in targets if t[1] == it and t[3] == "start")
+        open(os.path.join(out, f"start.{it}.{rank}"), "w").close()
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(os.path.join(out, f"start.{it}.{r}")) for r in together):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks {together} did not all reach iteration {it}")
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     @session.resilient
     def train(it: int):
         microbatch[0] = 0
+        if due(it, 0, "start"):
+            die_together(it)
 
         def forward(data, model):
             if due(it, microbatch[0], "forward"):
@@ -98,4 +118,4 @@ def main(out: str, iters: int, kill: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:5]))

@@ -29,7 +29,11 @@ rank all-gathers them (:meth:`MegatronState.resync`).
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,9 +43,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import identity, rebuild
+from .. import checkpoint, identity, rebuild
 from ..config import DEEPSPEED_SECTION, ConfigError, HotspareConfig, from_mapping, to_mapping
-from ..events import EventLog
+from ..events import EventLog, log
 from ..generation import Generation
 from ..recovery import RecoveryError
 from ..session import Session
@@ -50,6 +54,10 @@ from ..snapshot import Layout, read_meta
 from ..worker import role
 
 SUPPORTED_MEGATRON = ("0.16.",)
+CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+"""What the sharded state dicts of a persistent checkpoint are built with: the distributed
+optimizer's state in the data-parallel-reshardable form, which megatron-core 0.16.1 saves and
+loads without Apex or Transformer Engine."""
 
 
 def check_version() -> str:
@@ -143,6 +151,64 @@ class MegatronState:
                 if not name.startswith("rng."):
                     tensor.copy_(source[name])
         self._apply(meta, views)
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict:
+        """The model chunks' and the optimizer's sharded state dicts, as ``dist_checkpointing``
+        saves and loads them (``model``, or ``model0``, ``model1``... for several chunks, and
+        ``optimizer``). Each chunk's own module's: DDP's sharded_state_dict prefixes ``module.``
+        and its load_state_dict does not."""
+        model = {}
+        for i, chunk in enumerate(self.model_chunks):
+            key = "model" if len(self.model_chunks) == 1 else f"model{i}"
+            model[key] = chunk.module.sharded_state_dict(metadata=CHECKPOINT_METADATA)
+        merged = {k: v for sd in model.values() for k, v in sd.items()}
+        return {**model, "optimizer": self.optimizer.sharded_state_dict(merged, is_loading=is_loading,
+                                                                         metadata=CHECKPOINT_METADATA)}
+
+    def load_checkpoint(self, directory: str, tag: str) -> None:
+        """Load a checkpoint saved by :meth:`MegatronSession.save_checkpoint` into the live objects,
+        in place, with its RNG states, scheduler, data position and iteration, then all-gather the
+        weights (collective: every rank of the generation)."""
+        from megatron.core import dist_checkpointing
+
+        path = os.path.join(directory, tag)
+        extras_path = os.path.join(path, extras_file(dist.get_rank()))
+        if not os.path.exists(extras_path):
+            raise RecoveryError(f"the checkpoint {path} has no {extras_file(dist.get_rank())}: it was not saved by "
+                                f"hotspare (no RNG states or data position); resuming from it would not be the same run")
+        self.clear_interrupted_iteration()
+        self.ensure_optimizer_state()
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), path)
+        for i, chunk in enumerate(self.model_chunks):
+            chunk.module.load_state_dict(state["model" if len(self.model_chunks) == 1 else f"model{i}"])
+        steps = self._checkpoint_steps(state["optimizer"], path)
+        with torch.no_grad():  # fp32 parameters: the optimizer's shards are views of them (leaves that need grad)
+            self.optimizer.load_state_dict(state["optimizer"])
+        # megatron-core 0.16.1 without Apex or Transformer Engine gives every shard's Adam state
+        # one shared step tensor with the checkpoint's count, then copies the live count over
+        # it (the dp_reshardable parameter state carries the live 'step', not the saved one), and
+        # torch's Adam would add 1 to that shared tensor once per shard: each shard gets a step
+        # of its own with the checkpoint's count (tests/test_megatron_recover.py's fallback).
+        for do, step in zip(distributed_optimizers(self.optimizer), steps):
+            for st in do.optimizer.state.values():
+                if "step" in st:
+                    st["step"] = torch.tensor(step, dtype=st["step"].dtype, device=st["step"].device)
+        self.load_extras(torch.load(extras_path, weights_only=True))
+        self.resync()
+
+    def _checkpoint_steps(self, optimizer_state: dict, path: str) -> list[float]:
+        """The Adam step count a checkpoint holds for each distributed optimizer (one per param group,
+        all the same)."""
+        dos = distributed_optimizers(self.optimizer)
+        per = [optimizer_state] if len(dos) == 1 else [v for _, v in sorted(optimizer_state.items())]
+        steps = []
+        for i, sd in enumerate(per):
+            found = {float(g["step"]) for g in sd["optimizer"]["param_groups"] if "step" in g}
+            if len(found) != 1:
+                raise RecoveryError(f"the checkpoint {path} holds {len(found)} different step counts for optimizer "
+                                    f"{i} ({sorted(found)}); expected one")
+            steps.append(found.pop())
+        return steps
 
     def extras(self) -> dict:
         """What a megatron-core checkpoint lacks for a bitwise resume: the metadata (iteration,
@@ -276,6 +342,27 @@ class MegatronState:
         self.optimizer.zero_grad()
 
 
+def extras_file(rank: int) -> str:
+    """The file beside a checkpoint's tensors that holds rank ``rank``'s :meth:`MegatronState.extras`."""
+    return f"hotspare_extras.rank{rank}.pt"
+
+
+def warm_up_checkpoint_writer() -> threading.Thread | None:
+    """Start what megatron-core 0.16.1's first ``dist_checkpointing.save`` would start on the
+    training thread: a multiprocessing manager process (spawned: a fresh interpreter, about 3 s
+    here) that the writers report through, kept for the process's life. Started on a thread of
+    its own at initialisation; :meth:`MegatronSession.save_checkpoint` joins it first. None when
+    this megatron-core keeps no such manager (tests/test_megatron_shim.py pins that it does)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    start = getattr(filesystem_async, "_get_write_results_queue", None)
+    if start is None:
+        return None
+    thread = threading.Thread(target=start, name="hotspare-checkpoint-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 def parallel_state_groups() -> dict[str, dist.ProcessGroup]:
     """``parallel_state``'s process groups by global name (lists and dicts of groups by
     ``NAME[i]``/``NAME[key]``): what :func:`initialize_model_parallel` makes, by role."""
@@ -308,9 +395,10 @@ class MegatronSession(Session):
         for iteration in session.steps(total_iterations):
             train_step(iteration)
 
-    ``steps`` counts the iterations and mirrors the state after each one that completes; after a
-    recovery it yields the landing iteration again, so the interrupted one (and any a survivor
-    had run past it) is run again with the same batches.
+    ``steps`` counts the iterations and mirrors the state after each one that completes (and
+    saves a persistent checkpoint every ``checkpoint.every`` iterations); after a recovery it
+    yields the landing iteration again, so the interrupted one (and any a survivor had run past
+    it) is run again with the same batches.
     """
 
     model: list
@@ -323,6 +411,7 @@ class MegatronSession(Session):
     """``initialize_model_parallel``'s arguments: every generation builds the same groups from them."""
     state: MegatronState | None = None
     same_layout_everywhere: bool = False
+    _checkpoint_warm_up: threading.Thread | None = None
     _ps_groups: dict = field(default_factory=dict)
     """``parallel_state``'s groups by name, the ones the model and optimizer point at."""
 
@@ -347,6 +436,50 @@ class MegatronSession(Session):
         self.state.iteration += 1
         if self.mirror is not None:
             self.mirror.on_step(self.state.iteration, self.state.tensors, self.state.meta)
+        ck = self.config.checkpoint if self.config is not None and self.config.enabled else None
+        if ck is not None and ck.enabled and self.state.iteration % ck.every == 0:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        """Save a persistent checkpoint of the current iteration (collective: every rank): the model
+        chunks and the distributed optimizer through ``dist_checkpointing.save`` into
+        ``<checkpoint.dir>/global_step<N>``, this rank's RNG states, scheduler, data position and
+        iteration beside them (:func:`extras_file`), then its completion marker
+        (:mod:`hotspare.checkpoint`). It runs on the training thread: megatron-core 0.16.1's
+        asynchronous save needs its own queue of calls finalised collectively. A tag that is
+        complete already is not written again: a run that rolled back to before it and came back
+        to it is bitwise the same. What a save cut short by a failure left is removed first."""
+        from megatron.core import dist_checkpointing
+
+        ck, gen, it = self.config.checkpoint, self.generation, self.state.iteration
+        tag = checkpoint.tag_of(it)
+        path = os.path.join(ck.dir, tag)
+        t0 = time.monotonic()
+        if self._checkpoint_warm_up is not None:
+            self._checkpoint_warm_up.join(timeout=120.0)  # (the save would start another one meanwhile)
+            self._checkpoint_warm_up = None
+        # On the default group (NCCL on GPUs: its tensor must be on the device).
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        have = torch.tensor([int(it in checkpoint.complete_steps(ck.dir, gen.world_size))], dtype=torch.int64,
+                            device=device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if int(have):
+            self.events("checkpoint_skipped", version=it, tag=tag, reason="complete already")
+            return
+        if gen.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        dist.barrier()
+        dist_checkpointing.save(self.state.sharded_state_dict(), path)
+        name = extras_file(gen.rank)
+        torch.save(self.state.extras(), os.path.join(path, name + ".tmp"))
+        os.replace(os.path.join(path, name + ".tmp"), os.path.join(path, name))
+        checkpoint.write_marker(ck.dir, tag, gen.rank, gen.world_size, [name],
+                                os.path.getsize(os.path.join(path, name)))
+        deleted = checkpoint.prune(ck.dir, gen.world_size, ck.keep)
+        self.events("checkpoint_saved", version=it, tag=tag, seconds=time.monotonic() - t0, deleted=deleted)
+        if gen.rank == 0:
+            log(f"rank 0: checkpoint {path} saved in {time.monotonic() - t0:.2f} s")
 
     def roots(self) -> list:
         from megatron.core import parallel_state as ps
@@ -471,9 +604,6 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
     from megatron.core import parallel_state as ps
 
     hs = parse_config(config)
-    if hs is not None and hs.checkpoint.enabled:
-        raise ConfigError("hotspare.checkpoint: the persistent-checkpoint fallback is built for DeepSpeed only (a "
-                          "megatron-core dist_checkpointing fallback is not built yet); set checkpoint.every to 0")
     if ps.model_parallel_is_initialized():
         raise RuntimeError("parallel_state is initialised already: let hotspare's initialize call "
                            "initialize_model_parallel (pass its arguments here), so that it can rebuild the groups")
@@ -481,6 +611,7 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
         raise ConfigError("create_gloo_process_groups=True: hotspare does not rebuild megatron-core's gloo twins of "
                           "the data-parallel groups; leave it out (and pass use_gloo_process_groups=False to "
                           "get_megatron_optimizer)")
+    warm_up = warm_up_checkpoint_writer() if hs is not None and hs.enabled and hs.checkpoint.enabled else None
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout_s = hs.recovery.collective_timeout_s if hs is not None else 120.0
     parallel = {"tensor_model_parallel_size": tensor_model_parallel_size,
@@ -509,6 +640,7 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
                               generation=gen, store=store, heartbeat=heartbeat, spare=spare, backend=backend,
                               pin_memory=torch.cuda.is_available())
     session.state = MegatronState(model, optimizer, scheduler, data_state, load_data_state)
+    session._checkpoint_warm_up = warm_up
     session._ps_groups = parallel_state_groups()
     _fence_optimizer_step(session)
     if hs is None or not hs.enabled:
