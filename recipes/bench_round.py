@@ -43,14 +43,19 @@ class BenchRoundConfig:
     num_ranks: int = 0
     """Ranks, one per logical node; 0: k+m for a stripe, 4 for a mirror."""
     k: int = 2
+    """Stripe: data shares."""
     m: int = 1
+    """Stripe: parity shares."""
     replicas: int = 1
+    """Mirror: full copies of each rank's state on other ranks."""
     snapshot_bytes: int = 590_000
     """Bytes of state per rank (590 KB: the tiny GPT of bench_overhead's stripe run, per rank)."""
     chunk_bytes: int = 4 << 20
+    """Bytes per message after a transfer's first (hotspare.mirror.chunk_mb)."""
     rounds: int = 200
     """Measured rounds per repetition (after ``warmup`` rounds)."""
     warmup: int = 10
+    """Rounds before the measured ones (the receivers' buffers are allocated there)."""
     gap_s: float = 0.01
     """Seconds between rounds (the 'iteration'; the main thread sleeps, so it costs no CPU)."""
     repeats: int = 3
