@@ -414,3 +414,30 @@ def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_c
         hb.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("hotspare-")]
     assert master.check([control.alarm_key(3, "a1")]) and len(fired) == 2
+
+
+def test_a_beat_looks_for_the_next_plan_only_without_the_alarm_thread(monkeypatch):
+    """Each beat is one store write: with the alarm thread (the coordinator alarms every worker
+    before it writes a plan) the beat does not also look for plan/<g+1>; with a store passed in
+    (no alarm thread) it does, and fires."""
+    import threading
+
+    import torch.distributed as dist
+
+    from hotspare import env
+    from hotspare.worker import Heartbeat
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv(env.HOTSPARE_STORE_HOST, "127.0.0.1")
+    monkeypatch.setenv(env.HOTSPARE_STORE_PORT, str(master.port))
+    for alarm_thread in (True, False):
+        event = threading.Event()
+        store = None if alarm_thread else dist.TCPStore("127.0.0.1", master.port, is_master=False)
+        hb = Heartbeat("a1", 0.02, 600.0, store=store)
+        try:
+            hb.watch(0, event.set)
+            master.set("plan/1", "{}")
+            assert event.wait(0.5 if alarm_thread else 10) is not alarm_thread
+        finally:
+            hb.close()
+            master.delete_key("plan/1")

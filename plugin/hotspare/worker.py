@@ -34,7 +34,9 @@ class Heartbeat:
     The launcher kills a worker whose counter stops moving for ``timeout_s`` (published once
     in ``hb/<wid>/timeout``). ``close`` writes -1: a worker that says goodbye is not hung.
     The beat thread only waits on an Event and does one store write per beat, so it keeps beating
-    while the training thread is blocked inside a collective (which releases the GIL).
+    while the training thread is blocked inside a collective (which releases the GIL); at 16,384
+    workers beating every 0.5 s that is 32,768 requests a second to the store, so a beat asks
+    nothing else of it.
 
     The alarm thread blocks in the store (a connection of its own) on ``alarm/<g>/<wid>`` for
     the generation g this worker trains in (:meth:`watch`); the coordinator sets it the moment
@@ -52,13 +54,13 @@ class Heartbeat:
         self._on_superseded = None
         self._listening: int | None = None  # the generation whose alarm key the alarm thread waits on
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"hotspare-heartbeat-{wid}", daemon=True)
-        self._thread.start()
         self._alarm_store = store_from_env() if store is None else None
         self._alarm_thread = None
         if self._alarm_store is not None:
             self._alarm_thread = threading.Thread(target=self._listen, name=f"hotspare-alarm-{wid}", daemon=True)
             self._alarm_thread.start()
+        self._thread = threading.Thread(target=self._run, name=f"hotspare-heartbeat-{wid}", daemon=True)
+        self._thread.start()
 
     def watch(self, generation: int | None, on_superseded=None) -> None:
         """While this worker trains in ``generation``, call ``on_superseded()`` (from another
@@ -86,7 +88,11 @@ class Heartbeat:
             try:
                 self._store.set(f"hb/{self.wid}", str(self._beat))
                 g = self._watching
-                if g is not None and self._store.check([f"plan/{g + 1}"]):
+                # With the alarm thread this check is not needed: the coordinator sets every
+                # worker's alarm before it writes a plan. Without it (a store passed in, whose
+                # connection a blocking wait would hold) the beat looks for the next plan: one
+                # more store request per beat and worker.
+                if g is not None and self._alarm_thread is None and self._store.check([f"plan/{g + 1}"]):
                     self._fire(g)
             except Exception:  # noqa: BLE001 - the launcher is gone: nobody is listening
                 return
