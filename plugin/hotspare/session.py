@@ -205,7 +205,8 @@ class Session:
              f"{type(error).__name__}: {str(error)[:200]}")
         retained = self.mirror  # frozen by _break_off; the restore reads what it holds
         records = self.host_groups()
-        broken = early + self._break_off(records, self.generation.index, error, reported=True)
+        broken = early + self._break_off(records, self.generation.index, error, reported=True,
+                                         already_broken=self.backend == "gloo")
         if self.checkpoints is not None and not self.checkpoints.flush(cfg.rendezvous_timeout_s):
             log(f"rank {self.generation.rank}: the checkpoint writer is still busy after "
                  f"{cfg.rendezvous_timeout_s} s; recovering without waiting for it")
@@ -243,16 +244,18 @@ class Session:
                  f"joining generation {generation}")
             plan = None
 
-    def _break_off(self, records, generation: int, error: BaseException, reported: bool = False) -> int:
+    def _break_off(self, records, generation: int, error: BaseException, reported: bool = False,
+                   already_broken: bool = False) -> int:
         """Leave ``generation`` at once (a failure in it, or while it formed): tell the coordinator
-        (unless ``reported``), abort NCCL, shut down every connection but the store's (so no
-        survivor waits out a collective timeout), freeze the mirror, destroy the groups. Returns
-        the connections broken."""
+        (unless ``reported``), abort NCCL, shut down every connection but the store's (unless
+        ``already_broken``: a second pass over the descriptors finds none and costs 1-2 ms),
+        so that no survivor waits out a collective timeout, freeze the mirror, destroy the
+        groups. Returns the connections broken here."""
         if not reported:
             self._report_waiting(generation, error)
         if dist.is_initialized():
             abort_nccl([r.group for r in records])
-        broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+        broken = 0 if already_broken else break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
         if self.mirror is not None:
             self.mirror.stop()
             self._retired.append(self.mirror)
