@@ -33,6 +33,12 @@ def test_a_tag_is_complete_only_with_every_ranks_marker(tmp_path):
     assert checkpoint.complete_steps(str(tmp_path), 2) == [2]
     assert checkpoint.complete_steps(str(tmp_path / "missing"), 2) == []
     assert checkpoint.complete_steps("", 2) == []
+    # One rank's own view (megatron-core's saves: each rank reads its marker, the ranks agree).
+    done = {(step, r): checkpoint.rank_done(str(tmp_path), checkpoint.tag_of(step), r, 2)
+            for step in (2, 4, 6, 8) for r in (0, 1)}
+    assert [k for k, v in done.items() if v] == [(2, 0), (2, 1), (4, 0), (6, 0)]
+    checkpoint.write_marker(str(tmp_path), checkpoint.tag_of(4), 1, 2, ["x.pt"], 10)
+    assert checkpoint.complete_steps(str(tmp_path), 2) == [2, 4]
 
 
 def test_prune_keeps_the_newest_complete_and_drops_older_leftovers(tmp_path):

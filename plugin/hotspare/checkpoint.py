@@ -56,12 +56,21 @@ def complete_steps(directory: str, world_size: int) -> list[int]:
 
 
 def write_marker(directory: str, tag: str, rank: int, world_size: int, files: list[str], nbytes: int) -> None:
-    """Say that every file of ``rank`` for ``tag`` is on disk (call after the last one is; the
-    marker itself is replaced atomically, so a crash leaves it whole or absent)."""
+    """Say that ``rank``'s part of ``tag`` is on disk (call after its last file is; the marker
+    itself is replaced atomically, so a crash leaves it whole or absent). ``files`` and
+    ``nbytes``: what the caller wrote itself (on megatron-core, the extras file beside
+    ``dist_checkpointing``'s own)."""
     marker = os.path.join(directory, tag, _MARKER.format(rank=rank))
     with open(marker + ".tmp", "w", encoding="utf-8") as f:
         json.dump({"world_size": world_size, "files": files, "bytes": nbytes}, f)
     os.replace(marker + ".tmp", marker)
+
+
+def rank_done(directory: str, tag: str, rank: int, world_size: int) -> bool:
+    """Whether ``rank``'s marker for ``tag`` is there (one file read: every rank checks its own
+    and the ranks agree, instead of each reading every rank's)."""
+    mk = _read_marker(os.path.join(directory, tag, _MARKER.format(rank=rank)))
+    return mk is not None and mk.get("world_size") == world_size
 
 
 def _read_marker(path: str) -> dict | None:

@@ -510,7 +510,10 @@ class Launcher:
         control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
 
     def _gone(self, w: Worker, code: int) -> None:
-        """A failed worker's process is gone: ``exited/<wid>`` (a spare taking its device waits for it)."""
+        """A failed worker's process is gone: ``exited/<wid>`` (a spare taking its device waits for it).
+        What it started in its session and left behind goes too (a killed trainer's helper
+        processes, such as megatron-core's checkpoint manager, would otherwise live on)."""
+        _signal_group(w.proc, signal.SIGKILL)
         w.finish()
         self.store.set(control.exited_key(w.wid), str(code))
 

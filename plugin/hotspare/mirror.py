@@ -25,7 +25,8 @@ many bytes follow.
 Receivers keep the last committed copy of each source while the next arrives in a second
 buffer; a copy commits (the buffers swap) only when every byte arrived and its CRC-32 matches
 the header's. After the swap the second buffer still holds the copy committed before (the
-*previous* version) until the next round starts to write into it. Headers are int64 tensors; payloads are raw bytes. Nothing is unpickled.
+*previous* version) until the next round starts to write into it. A header is int64 fields at
+the start of the first message; payloads are raw bytes. Nothing is unpickled.
 
 A rank's own two snapshots live in buffers a :class:`Snapshots` provider gives: its private
 memory (:class:`PrivateSnapshots`), or its node keeper's shared memory

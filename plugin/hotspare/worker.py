@@ -90,9 +90,10 @@ class Heartbeat:
                 g = self._watching
                 # With the alarm thread this check is not needed: the coordinator sets every
                 # worker's alarm before it writes a plan. Without it (a store passed in, whose
-                # connection a blocking wait would hold) the beat looks for the next plan: one
-                # more store request per beat and worker.
-                if g is not None and self._alarm_thread is None and self._store.check([f"plan/{g + 1}"]):
+                # connection a blocking wait would hold, or an alarm thread that lost its store
+                # connection) the beat looks for the next plan: one more request per beat.
+                listening = self._alarm_thread is not None and self._alarm_thread.is_alive()
+                if g is not None and not listening and self._store.check([f"plan/{g + 1}"]):
                     self._fire(g)
             except Exception:  # noqa: BLE001 - the launcher is gone: nobody is listening
                 return

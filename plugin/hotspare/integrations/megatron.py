@@ -161,8 +161,9 @@ class MegatronState:
         for i, chunk in enumerate(self.model_chunks):
             key = "model" if len(self.model_chunks) == 1 else f"model{i}"
             model[key] = chunk.module.sharded_state_dict(metadata=CHECKPOINT_METADATA)
-        merged = {k: v for sd in model.values() for k, v in sd.items()}
-        return {**model, "optimizer": self.optimizer.sharded_state_dict(merged, is_loading=is_loading,
+        # The optimizer finds each parameter's sharded tensor in the nested dicts, as
+        # megatron-core's own checkpointing passes them (chunks keep their own layer numbers).
+        return {**model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading,
                                                                          metadata=CHECKPOINT_METADATA)}
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
@@ -447,9 +448,16 @@ class MegatronSession(Session):
         iteration beside them (:func:`extras_file`), then its completion marker
         (:mod:`hotspare.checkpoint`). It runs on the training thread: megatron-core 0.16.1's
         asynchronous save needs its own queue of calls finalised collectively. A tag that is
-        complete already is not written again: a run that rolled back to before it and came back
-        to it is bitwise the same. What a save cut short by a failure left is removed first."""
+        complete already is not written again: the run that rolled back to before it and came
+        back to it is at the same state (bitwise, with deterministic algorithms; on GPUs without
+        them the kept one is of the abandoned timeline, a consistent state all the same). What a
+        save cut short by a failure left is removed first; a directory that cannot be made empty
+        skips this save on every rank, saying why.
+
+        Each rank reads only its own marker and the ranks agree (a MIN all-reduce), and rank 0
+        alone prunes, after a barrier: W markers read per save, not W squared."""
         from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint.api import CheckpointException
 
         ck, gen, it = self.config.checkpoint, self.generation, self.state.iteration
         tag = checkpoint.tag_of(it)
@@ -458,25 +466,44 @@ class MegatronSession(Session):
         if self._checkpoint_warm_up is not None:
             self._checkpoint_warm_up.join(timeout=120.0)  # (the save would start another one meanwhile)
             self._checkpoint_warm_up = None
-        # On the default group (NCCL on GPUs: its tensor must be on the device).
+        # On the default group (NCCL on GPUs: its tensors must be on the device).
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        have = torch.tensor([int(it in checkpoint.complete_steps(ck.dir, gen.world_size))], dtype=torch.int64,
-                            device=device)
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
-        if int(have):
+
+        def everywhere(flag: bool) -> bool:
+            t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            return bool(int(t))
+
+        if everywhere(checkpoint.rank_done(ck.dir, tag, gen.rank, gen.world_size)):
             self.events("checkpoint_skipped", version=it, tag=tag, reason="complete already")
             return
+        problem = ""
         if gen.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-            os.makedirs(path)
-        dist.barrier()
-        dist_checkpointing.save(self.state.sharded_state_dict(), path)
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+                os.makedirs(path, exist_ok=True)
+                left = os.listdir(path)
+                if left:
+                    problem = f"{path} could not be emptied ({len(left)} entries left, e.g. {left[0]!r})"
+            except OSError as exc:
+                problem = f"{path} could not be made: {exc}"
+        if not everywhere(not problem):
+            why = problem or "rank 0 could not prepare the directory (its log says why)"
+            self.events("checkpoint_skipped", version=it, tag=tag, reason=why)
+            log(f"rank {gen.rank}: checkpoint of iteration {it} skipped: {why}; the previous one stays the newest")
+            return
+        try:
+            dist_checkpointing.save(self.state.sharded_state_dict(), path)
+        except CheckpointException as exc:  # a BaseException: made an error that names the checkpoint
+            raise checkpoint.CheckpointWriteError(f"dist_checkpointing could not write {path}: {exc}; that tag is "
+                                                  f"incomplete and will not be loaded") from None
         name = extras_file(gen.rank)
         torch.save(self.state.extras(), os.path.join(path, name + ".tmp"))
         os.replace(os.path.join(path, name + ".tmp"), os.path.join(path, name))
         checkpoint.write_marker(ck.dir, tag, gen.rank, gen.world_size, [name],
                                 os.path.getsize(os.path.join(path, name)))
-        deleted = checkpoint.prune(ck.dir, gen.world_size, ck.keep)
+        dist.barrier()  # every marker is there: rank 0 sees the tag complete before it prunes
+        deleted = checkpoint.prune(ck.dir, gen.world_size, ck.keep) if gen.rank == 0 else []
         self.events("checkpoint_saved", version=it, tag=tag, seconds=time.monotonic() - t0, deleted=deleted)
         if gen.rank == 0:
             log(f"rank 0: checkpoint {path} saved in {time.monotonic() - t0:.2f} s")
