@@ -177,7 +177,6 @@ class MegatronState:
         if not os.path.exists(extras_path):
             raise RecoveryError(f"the checkpoint {path} has no {extras_file(dist.get_rank())}: it was not saved by "
                                 f"hotspare (no RNG states or data position); resuming from it would not be the same run")
-        self.clear_interrupted_iteration()
         self.ensure_optimizer_state()
         state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), path)
         for i, chunk in enumerate(self.model_chunks):
