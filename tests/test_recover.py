@@ -89,6 +89,9 @@ def test_two_failures_in_sequence_rank1_forward_then_rank0_backward(stage, tmp_p
         assert kind in kinds, f"no {kind} event"
 
 
+# In `make slow` (60 s with its own reference run): `make test` keeps a kill during a mirror
+# transfer in tests/test_mirror_kill.py and the fault-kind subset of tests/test_fault_matrix.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_kill_between_micro_batches_and_during_a_mirror_transfer(stage, tmp_path, tmp_path_factory, no_leaks):
     """Gradient accumulation (2 micro-batches per step): rank 3 dies after its first micro-batch;
