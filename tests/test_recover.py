@@ -71,6 +71,9 @@ def assert_bitwise(ref, got, recoveries):
 STAGES = [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)]
 
 
+# In `make slow` (30 s): `make test` keeps a second failure in test_a_second_failure_while_the_
+# first_recovery_forms_supersedes_it and in test_fault_matrix's kill@forward+kill@recovery case.
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_failures_in_sequence_rank1_forward_then_rank0_backward(stage, tmp_path, tmp_path_factory, no_leaks,
                                                                    capfd):
