@@ -4,7 +4,10 @@ rendezvous of a new generation."""
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -94,3 +97,86 @@ def test_groups_created_without_a_timeout_get_the_configured_one():
     env.configure_accelerator()
     backend = importlib.import_module("deepspeed.comm.torch").TorchBackend
     assert "torch.distributed.new_group(ranks)" in inspect.getsource(backend.new_group)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_left_generations_groups_are_destroyed_by_the_reaper_once_nothing_else_holds_them():
+    """leave(background=True) (a recovery) hands every group of the generation to a Reaper
+    thread, which drops each once it holds the last reference: a gloo group's destructor waits
+    ~10 ms for its threads, and left to the garbage collector it stalled the first iteration
+    after a recovery. Pins torch's registry of groups (``_world.pg_map``) that it reads."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from hotspare.generation import leave
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    before = _os_threads()  # (the store serves on a thread of its own)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    groups = [dist.new_group([0]) for _ in range(3)]
+    assert all(g in c10d._world.pg_map for g in [dist.group.WORLD, *groups])
+    assert _os_threads() > before  # each gloo group runs threads of its own
+    held = groups[1]
+    del groups
+    reaper = leave(background=True)
+    assert not dist.is_initialized() and reaper.ident is None  # the caller starts it (after its recovery)
+    reaper.start()
+    deadline = time.monotonic() + 10
+    while reaper.destroyed < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reaper.destroyed == 3 and reaper.is_alive()  # the held one waits for its holder
+    del held
+    reaper.join(timeout=10)
+    assert not reaper.is_alive() and (reaper.destroyed, reaper.left) == (4, 0)
+    assert _os_threads() <= before
+
+
+def test_the_reaper_lets_go_of_a_group_still_held_when_its_wait_runs_out_or_it_is_finished():
+    """A group someone keeps is not waited for forever: after wait_s, or at once when the session
+    closes (finish), the reaper drops its own reference and ends."""
+    from hotspare.generation import Reaper
+
+    held = object()
+    reaper = Reaper([held], wait_s=0.0)
+    reaper.start()
+    reaper.join(timeout=10)
+    assert (reaper.destroyed, reaper.left) == (0, 1)
+    assert sys.getrefcount(held) == 2  # this frame's and the call's: the reaper dropped its own
+    reaper = Reaper([held], wait_s=600.0)
+    reaper.start()
+    assert reaper.finish(timeout_s=10) and (reaper.destroyed, reaper.left) == (0, 1)
+    assert sys.getrefcount(held) == 2
+    reaper = Reaper([held])  # never started (a recovery that failed): the session's close lets go
+    assert reaper.finish() and reaper.left == 1 and sys.getrefcount(held) == 2
+
+
+def test_an_alarm_that_comes_after_the_training_thread_began_leaving_is_dropped(monkeypatch):
+    """The alarm thread may pass its check, then run only once the training thread saw the
+    failure on its own and began its recovery. Run then, it marked the next generation failed:
+    that generation's first forward raised and a second, spurious recovery followed (seen on
+    DeepSpeed in recipes/bench_recovery.py). Now it is dropped: no second break of the
+    connections, and the next generation's forward goes on."""
+    from hotspare import session as session_mod
+    from hotspare.generation import Generation
+    from hotspare.session import GenerationFailed, Session
+
+    broken = []
+    monkeypatch.setattr(session_mod, "break_connections", lambda keep: broken.append(keep) or 0)
+    s = Session(config=None, generation=Generation(0, 1, 2), store=None)
+    s._check_alarm(None, ())  # not alarmed: goes on
+    s._superseded(0)
+    assert len(broken) == 1
+    with pytest.raises(GenerationFailed, match="generation 0 failed"):
+        s._check_alarm(None, ())
+    s._begin_leaving()
+    s._superseded(0)  # late: the training thread answers it
+    assert len(broken) == 1
+    s.generation = Generation(1, 1, 2)
+    s._check_alarm(None, ())  # the next generation is not marked failed
+    s._superseded(1)
+    assert len(broken) == 2
+    with pytest.raises(GenerationFailed, match="generation 1 failed"):
+        s._check_alarm(None, ())

@@ -83,18 +83,22 @@ class Session:
     _repointed: list | None = None
     _retired: list = field(default_factory=list)
     """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
+    _reapers: list = field(default_factory=list)
+    """The threads releasing the groups of generations left behind (:func:`leave`)."""
     _catching_up: tuple[int, int] | None = None
     """Rank 0 after a recovery: (generation, step the failure interrupted) until a step completes
     at or past that step; then ``caught_up/<g>`` tells the launchers to start their successor spares."""
 
     def __post_init__(self) -> None:
-        self._alarmed = threading.Event()
+        self._alarm_lock = threading.Lock()
+        self._alarmed = -1  # the generation the coordinator's alarm said failed (while this worker trained in it)
+        self._leaving = -1  # the newest generation the training thread began to leave
         self._interrupts = []
         if self.heartbeat is not None:
             # A forward under way raises once the generation failed (see _check_alarm).
             self._interrupts = [m.register_forward_pre_hook(self._check_alarm) for m in self._interruptible()]
         if self.heartbeat is not None and not self.spare:
-            self.heartbeat.watch(self.generation.index, self._superseded)
+            self.heartbeat.watch(self.generation.index, functools.partial(self._superseded, self.generation.index))
 
     def _interruptible(self) -> list:
         """The modules whose forward checks for the coordinator's alarm: where a step computes
@@ -103,25 +107,38 @@ class Session:
         return []
 
     def _check_alarm(self, module, args) -> None:
-        if self._alarmed.is_set():
+        if self._alarmed == self.generation.index:
             raise GenerationFailed(f"the coordinator says generation {self.generation.index} failed (a peer "
                                    f"died or left); leaving the step for the recovery")
 
-    def _superseded(self) -> None:
-        """The coordinator said that this worker's generation failed (its alarm, or the next
-        generation's plan) while this worker still trains in it: a peer is dying (its sockets
-        reset only once the kernel tore down its memory) or was given up without a broken socket
-        (a lost or partitioned node). Whatever collective the training thread waits in raises
-        now, and the next one at once, instead of at its timeout."""
-        log(f"rank {self.generation.rank}: the coordinator says generation {self.generation.index} failed; "
-            f"leaving it now")
-        self._alarmed.set()
-        if self.backend != "gloo":
-            try:  # (a walk of the host's objects: for NCCL's communicators only)
-                abort_nccl([r.group for r in self.host_groups()])
-            except Exception:  # noqa: BLE001 - best effort from another thread; the sockets are next
-                pass
-        break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+    def _superseded(self, generation: int) -> None:
+        """The coordinator said that ``generation`` failed (its alarm, or the next generation's
+        plan) while this worker still trains in it: a peer is dying (its sockets reset only once
+        the kernel tore down its memory) or was given up without a broken socket (a lost or
+        partitioned node). Whatever collective the training thread waits in raises now, and the
+        next one at once, instead of at its timeout.
+
+        Under ``_alarm_lock``, against the training thread's :meth:`recover`: an alarm that comes
+        once the training thread began to leave that generation on its own is dropped. Run after
+        it, it would mark the next generation failed (its first forward raised: a spurious
+        second recovery, seen on DeepSpeed) or break the next generation's new connections."""
+        with self._alarm_lock:
+            if generation <= self._leaving:
+                return
+            log(f"rank {self.generation.rank}: the coordinator says generation {generation} failed; leaving it now")
+            self._alarmed = generation
+            if self.backend != "gloo":
+                try:  # (a walk of the host's objects: for NCCL's communicators only)
+                    abort_nccl([r.group for r in self.host_groups()])
+                except Exception:  # noqa: BLE001 - best effort from another thread; the sockets are next
+                    pass
+            break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+
+    def _begin_leaving(self) -> None:
+        """The training thread leaves its generation: an alarm for it that comes from now on is
+        answered already (see :meth:`_superseded`)."""
+        with self._alarm_lock:
+            self._leaving = self.generation.index
 
     # ---- the training-loop API ---------------------------------------------------------------
 
@@ -189,7 +206,7 @@ class Session:
         t0 = time.monotonic()
         if self.heartbeat is not None:
             self.heartbeat.watch(None)
-        self._alarmed.clear()  # the alarm (if it came) is being answered
+        self._begin_leaving()
         failed_at = self.step_count()
         # The coordinator first: once every survivor has said so, it plans without waiting out
         # its settle window (the walk for the host's groups comes after).
@@ -261,8 +278,20 @@ class Session:
             self._retired.append(self.mirror)
             self.mirror = None
         self.groups = ()
-        leave()
+        self._reap(leave(background=True))
         return broken
+
+    def _reap(self, reaper) -> None:
+        """Keep a left generation's groups until the recovery is over (:meth:`_release_left_groups`)."""
+        if reaper is not None:
+            self._reapers.append(reaper)
+
+    def _release_left_groups(self) -> None:
+        """Training resumes: the groups of the generations left behind are destroyed meanwhile."""
+        self._reapers = [r for r in self._reapers if r.ident is None or r.is_alive()]
+        for reaper in self._reapers:
+            if reaper.ident is None:
+                reaper.start()
 
     def _drop_kept(self) -> None:
         if self._kept is not None:
@@ -343,7 +372,7 @@ class Session:
             landing=(version, holdings) if lost is None else None)
         self._drop_kept()
         if self.heartbeat is not None:
-            self.heartbeat.watch(gen.index, self._superseded)
+            self.heartbeat.watch(gen.index, functools.partial(self._superseded, gen.index))
         if self.mirror is not None and (lost is not None or self.mirror.stripe is not None
                                         or cfg.retain.tier2 == "stripe"):
             # A full mirror's first round never writes over the version before the landing one
@@ -368,6 +397,7 @@ class Session:
             # A spare taking rank 0 knows no failure step: its first completed step is its mark.
             self._catching_up = (gen.index, phases.get("failed_at", -1))
         self.events("resume", version=version, **phases)
+        self._release_left_groups()
         log(f"rank {rank}: generation {gen.index} resumes at step {version} "
              f"({', '.join(f'{k} {v:.3f}' for k, v in phases.items() if k.endswith('_s'))})")
 
@@ -467,7 +497,7 @@ class Session:
         """A spare whose host objects are built for ``rank`` (on torch's fake group): wait for the
         order if it has not come yet, join the survivors' generation and land with them."""
         records = self.host_groups()
-        leave()  # the fake group
+        self._reap(leave(background=True))  # the fake group
         t_built = time.monotonic()
         if plan is None:
             plan = wait_for_takeover(self.store, self.heartbeat)
@@ -605,6 +635,9 @@ class Session:
             dist.destroy_process_group(group)
         self.groups = ()
         leave()
+        for reaper in self._reapers:
+            reaper.finish()
+        self._reapers = []
         self.store = None
 
 
