@@ -304,6 +304,52 @@ def test_the_coordinator_alarms_every_worker_of_a_generation_once_it_learns_that
     assert all(store.check([k]) for k in keys) and not store.check(["plan/1"])
 
 
+def test_a_member_still_in_a_failed_generation_after_the_grace_is_killed_as_stuck():
+    """In process, no workers: generation 0 formed (every rank arrived), rank 1 died, ranks 0 and 2
+    said they left it, rank 3 said nothing (a wait its broken sockets did not end). Past
+    stall_grace_s the coordinator asks for rank 3's kill, once, and for nobody else's. A
+    generation that never formed (a member died in its rendezvous) kills nobody: its members wait
+    in the rendezvous, which the next plan ends."""
+    from hotspare import control
+    from hotspare.coordinator import Coordinator
+
+    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
+                                                 spares_per_node=1, stall_grace_s=0.2))
+    launcher._open_store()
+    store = launcher.store
+    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
+    for r in range(4):
+        store.set(f"gen/0/arrived/{r}", "1")
+    for wid, node in (("s0.0", 0), ("s1.0", 1)):
+        control.append(store, control.SPARE_COUNT, "spare/", json.dumps([wid, node]))
+        store.set(f"ready/{wid}", "1")
+
+    def fail(wid, rank):
+        control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
+            worker=wid, rank=rank, code=-9, reason="exit", wall_time=time.time()))))
+
+    def kills():
+        return [json.loads(t)["worker"] for t in control.read_list(store, control.KILL_COUNT, "kill/", 0)]
+
+    fail("a1", 1)
+    for wid, rank in (("a0", 0), ("a2", 2)):
+        control.append(store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(
+            control.Waiting(worker=wid, rank=rank, generation=0))))
+    deadline = time.monotonic() + 10
+    while not store.check(["plan/1"]) and time.monotonic() < deadline:
+        coordinator.step()
+        time.sleep(0.01)
+    assert control.Plan.from_json(store.get("plan/1")).replaced == {"1": "s0.0"}
+    assert kills() == []  # within the grace
+    fail("s0.0", 1)  # generation 1 fails while it forms: only ranks 0 and 2 arrived
+    store.set("gen/1/arrived/0", "1")
+    store.set("gen/1/arrived/2", "1")
+    time.sleep(0.3)
+    for _ in range(3):
+        coordinator.step()
+    assert kills() == ["a3"]
+
+
 def test_a_failing_exit_is_read_from_proc_before_the_process_is_reaped(tmp_path):
     """exiting_status: nothing while a worker runs; once its exit began (here: it is a zombie,
     not reaped), the status its returncode will have: -9 for SIGKILL, 3 for exit(3), and None

@@ -171,6 +171,26 @@ def test_a_stuck_rank_that_keeps_beating_is_found_by_the_collective_timeout(stag
     assert any(e["timed_out"] for e in seen), seen
 
 
+@pytest.mark.slow
+def test_a_survivor_stuck_in_the_failed_generation_is_killed_and_replaced_too(tmp_path, tmp_path_factory, no_leaks):
+    """Rank 3's training thread stops for good before step 2 (its heartbeat goes on; the alarm's
+    broken sockets do not reach it: as a gloo wait that ignored them was seen to), and rank 1
+    dies a second later, blocked in step 2 on rank 3. The plan for rank 1 is made at once;
+    rank 3 never says it left generation 0, so stall_grace_s after the alarm the coordinator has
+    it killed, the generation that waited for it is superseded, a spare on rank 3's node takes
+    it, and training finishes bitwise identical. Without that the others waited out the
+    rendezvous timeout and failed."""
+    ref = reference(tmp_path_factory, 2, 1)
+    code, got = run(tmp_path / "out", 2, kill="1:2:0:later,3:2:0:wedge")
+    assert code == 0
+    assert got[1]["spare"] and got[3]["spare"]
+    assert_bitwise(ref, got, {0: 1, 1: 1, 2: 1, 3: 1})
+    rows = events(tmp_path / "out")
+    failures = {f["rank"]: f for e in rows if e["kind"] == "plan" for f in e["failures"]}
+    assert failures[3]["reason"] == "watchdog" and failures[1]["reason"] == "exit", failures
+    assert "retry" in [e["kind"] for e in rows]
+
+
 def test_a_transient_fault_with_nobody_dead_rebuilds_with_the_same_workers(tmp_path, tmp_path_factory, no_leaks):
     """Rank 2 raises a collective timeout once and nobody dies: every rank reports, the
     coordinator plans the next generation with the same workers, no spare is used, and

@@ -53,6 +53,8 @@ class Coordinator:
         self._lost_nodes: set[int] = set()
         self._waiting_for_spares = False
         self._alarmed: set[int] = set()  # generations whose workers were told that it failed
+        self._alarm_at: dict[int, float] = {}  # a failed generation -> when, until its members were checked
+        self._failed: set[str] = set()  # workers a launcher reported failed
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -69,6 +71,7 @@ class Coordinator:
         if g in self._alarmed:
             return
         self._alarmed.add(g)
+        self._alarm_at[g] = time.monotonic()
         keys = [control.alarm_key(g, wid) for wid in self._current_plan().workers.values()]
         self.store.multi_set(keys, ["1"] * len(keys))
 
@@ -88,6 +91,7 @@ class Coordinator:
         for text in control.read_list(self.store, control.FAIL_COUNT, "fail/", self._fail_read):
             self._fail_read += 1
             failure = control.Failure(**json.loads(text))
+            self._failed.add(failure.worker)
             self._spares = [s for s in self._spares if s[0] != failure.worker]
             self._prepared = {r: w for r, w in self._prepared.items() if w != failure.worker}
             if failure.rank < 0:
@@ -108,6 +112,7 @@ class Coordinator:
                 self._alarm()  # a survivor left: nobody need wait out a collective timeout
         if not self._pending:
             self._find_stalled()
+        self._kill_stuck_members()
         if not self._pending or (time.monotonic() - self._pending_since < self.spec.settle_s
                                  and not self._all_accounted()):
             return
@@ -220,10 +225,38 @@ class Coordinator:
                                json.dumps({"worker": wid, "detect_s": waited + now - self._stall_since}))
                 self._killed.add(wid)
 
-    def _current_plan(self) -> control.Plan:
-        if self.generation == 0:
+    def _kill_stuck_members(self) -> None:
+        """A member of a failed generation that has neither failed nor said it left
+        ``stall_grace_s`` after the alarm is stuck in it: alive and beating, but in a wait that
+        its broken connections did not end (seen on CPU: a gloo all-gather's send that waited
+        out the whole collective timeout, 120 s, after the worker's own sockets were shut down;
+        meanwhile the next generation's rendezvous timed out on every other member). It is
+        killed, and the next plan replaces it like any failed rank. Only generations that formed
+        (every rank arrived) are looked at: a member of one that did not is in the rendezvous,
+        which the next plan ends (:class:`hotspare.generation.Superseded`)."""
+        now = time.monotonic()
+        for g, since in list(self._alarm_at.items()):
+            if now - since <= self.spec.stall_grace_s:
+                continue
+            del self._alarm_at[g]  # one look per failed generation
+            plan = self._plan_of(g)
+            if not self.store.check([f"gen/{g}/arrived/{r}" for r in range(plan.world_size)]):
+                continue
+            left = set(self._waiting.get(g, {}))
+            for wid in sorted(set(plan.workers.values()) - left - self._failed - self._killed):
+                _log(f"worker {wid} is still in generation {g} {now - since:.1f} s after it failed (--stall-grace-s="
+                     f"{self.spec.stall_grace_s}): killing it as stuck")
+                control.append(self.store, control.KILL_COUNT, "kill/",
+                               json.dumps({"worker": wid, "detect_s": now - since}))
+                self._killed.add(wid)
+
+    def _plan_of(self, generation: int) -> control.Plan:
+        if generation == 0:
             return control.Plan(0, self.world_size, {str(r): control.active_id(r) for r in range(self.world_size)})
-        return control.Plan.from_json(self.store.get(f"plan/{self.generation}"))
+        return control.Plan.from_json(self.store.get(f"plan/{generation}"))
+
+    def _current_plan(self) -> control.Plan:
+        return self._plan_of(self.generation)
 
     def _check_nodes(self) -> None:
         """Node 0: a node whose launcher stopped beating for ``node_timeout_s`` is lost; every rank

@@ -248,6 +248,9 @@ class Session:
                 self._take_part(plan, records, retained, phases, t0)
                 return
             except Superseded as exc:
+                # Said like any other way out of a generation: the coordinator kills a member of a
+                # failed generation that did not say it left (one stuck in it).
+                self._report_waiting(plan.generation, exc)
                 generation = exc.generation
             except Exception as exc:  # noqa: BLE001 - classified here
                 if not is_distributed_error(exc) or not dist.is_initialized():

@@ -2,8 +2,8 @@
 hotspare-run; one rank SIGKILLs itself at a chosen (step, micro-batch, phase).
 
 Usage: recover.py STAGE OUT KILL ACCUM STEPS [CKPT_EVERY], KILL = 'none' or 'RANK:STEP:MICRO:PHASE' (or
-several joined by ','), PHASE one of forward, backward, step, mirror, hang (SIGSTOP), wedge (the training thread
-stops for good, the heartbeat goes on), transient (raise a collective timeout once; nobody dies),
+several joined by ','), PHASE one of forward, backward, step, mirror, later (SIGKILL 1 s after the forward
+begins), hang (SIGSTOP), wedge (the training thread stops for good, the heartbeat goes on), transient (raise a collective timeout once; nobody dies),
 join (die while arriving in generation 1, i.e. during the first recovery; STEP is ignored),
 write (die in the middle of writing the step's snapshot into the keeper's segment: after 2 of its
 segments), seal (die after the write, between the seal records of chunks 0 and 1), commit0 (die after the
@@ -86,6 +86,10 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
             phase = fault(step, micro)
             if phase == "forward":
                 die()
+            if phase == "later":
+                # Dies 1 s from here, wherever it is then (blocked in this step's collectives on a
+                # peer that wedged, say).
+                threading.Timer(1.0, die).start()
             if phase == "node":
                 fault_points.lose_node()
             if phase == "hang":
