@@ -487,3 +487,23 @@ def test_a_beat_looks_for_the_next_plan_only_without_the_alarm_thread(monkeypatc
         finally:
             hb.close()
             master.delete_key("plan/1")
+
+
+def test_a_worker_about_to_be_killed_as_stuck_writes_where_it_is_stuck():
+    """A worker under hotspare-run dumps every thread's stack on control.STACKS_SIGNAL, even with
+    its main thread blocked outside Python, so that the kill's log line is followed by where."""
+    import select
+
+    from hotspare import control
+
+    code = ("import sys, threading; from hotspare.worker import enable_stack_dumps; enable_stack_dumps()\n"
+            "def blocked_right_here(): threading.Event().wait()\n"
+            "print('ready', flush=True); blocked_right_here()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert select.select([proc.stdout], [], [], 60)[0] and proc.stdout.readline() == b"ready\n"
+        launch._dump_stacks(proc)
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert b"blocked_right_here" in err and b"<string>" in err, err.decode(errors="replace")

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -56,6 +57,12 @@ SHUTDOWN = "shutdown"
 WAKE_WAIT = datetime.timedelta(days=7)
 """A blocking wait that has no end of its own (a spare's on ``wake/<wid>``, a worker's on its
 alarm): without limit in practice, and short of poll()'s 2**31 ms."""
+STACKS_SIGNAL = signal.SIGRTMIN + 3
+"""hotspare-run sends it to a worker it is about to kill as stuck: the worker writes every
+thread's Python stack to its stderr (faulthandler, from the signal handler itself, so a thread
+blocked inside C++ is shown too), and the log says where it was stuck. A real-time signal: the
+usual ones (SIGUSR1/2) are a scheduler's to send."""
+
 RECOVERY_POLL_S = 0.005
 """How often a polled wait on a recovery's path looks (the new generation's members; the
 launcher while a failure waits for its plan): these waits last a fraction of a second and their

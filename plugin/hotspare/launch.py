@@ -542,6 +542,8 @@ class Launcher:
             order = json.loads(text)
             w = self.workers.get(order["worker"])
             if w is not None and not w.done:
+                _log(f"worker {w.wid} is stuck; its threads' stacks follow")
+                _dump_stacks(w.proc)
                 _signal_group(w.proc, signal.SIGKILL)
                 w.proc.wait()
                 self._report(w, w.proc.returncode, "watchdog", detect_s=order["detect_s"])
@@ -689,6 +691,19 @@ def _plan_exit_code(plan: control.Plan) -> int:
     codes = [f["code"] for f in plan.failures] or [1]
     code = codes[0]
     return code if code > 0 else 128 - code
+
+
+STACKS_WAIT_S = 0.2
+"""How long a stuck worker has to write its stacks before it is killed (a few ms needed)."""
+
+
+def _dump_stacks(p: subprocess.Popen) -> None:
+    """Have a worker write its threads' stacks to its stderr (see control.STACKS_SIGNAL)."""
+    try:
+        os.kill(p.pid, control.STACKS_SIGNAL)
+    except (ProcessLookupError, PermissionError):
+        return
+    time.sleep(STACKS_WAIT_S)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

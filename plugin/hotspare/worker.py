@@ -4,12 +4,23 @@ See :mod:`hotspare.control` for the keys.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
 import threading
 
 from . import control, env
 from .generation import store_from_env
+
+
+def enable_stack_dumps() -> None:
+    """Dump every thread's stack to stderr on :data:`hotspare.control.STACKS_SIGNAL` (a worker
+    under hotspare-run)."""
+    try:
+        faulthandler.register(control.STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        pass  # no usable stderr (it has no descriptor): the kill then just says where in the step
 
 
 def role() -> str:
@@ -45,6 +56,7 @@ class Heartbeat:
 
     def __init__(self, wid: str, interval_s: float, timeout_s: float, store=None):
         self.wid, self.interval_s = wid, interval_s
+        enable_stack_dumps()
         self._store = store if store is not None else store_from_env()
         self._store.set(f"hb/{wid}/timeout", str(timeout_s))
         self._beat = 0
