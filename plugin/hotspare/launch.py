@@ -693,17 +693,34 @@ def _plan_exit_code(plan: control.Plan) -> int:
     return code if code > 0 else 128 - code
 
 
-STACKS_WAIT_S = 0.2
-"""How long a stuck worker has to write its stacks before it is killed (a few ms needed)."""
+STACKS_WAIT_S = 1.0
+"""At most this long for a stuck worker to take the signal that has it write its stacks."""
+
+
+def _signal_pending(pid: int, sig: int) -> bool:
+    """``sig`` sent to process ``pid`` and not yet taken by it (``ShdPnd`` of /proc/<pid>/status)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("ShdPnd:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _dump_stacks(p: subprocess.Popen) -> None:
-    """Have a worker write its threads' stacks to its stderr (see control.STACKS_SIGNAL)."""
+    """Have a worker write its threads' stacks to its stderr (see control.STACKS_SIGNAL): send the
+    signal, wait until the worker took it (a loaded machine may not run it at once), then give
+    the handler a moment to write."""
     try:
         os.kill(p.pid, control.STACKS_SIGNAL)
     except (ProcessLookupError, PermissionError):
         return
-    time.sleep(STACKS_WAIT_S)
+    deadline = time.monotonic() + STACKS_WAIT_S
+    while _signal_pending(p.pid, control.STACKS_SIGNAL) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
