@@ -77,7 +77,8 @@ class LaunchSpec:
     has to report it too; one that does not is stuck (alive, beating, not in the collective)
     and is killed and replaced. When all report, the same workers form the next generation.
     Likewise after any failure: a member of the failed generation that has neither failed nor
-    said it left this long after the alarm is killed as stuck."""
+    said it left this long after the alarm is killed as stuck (so it must exceed the longest
+    phase with no collective, such as a synchronous checkpoint save: one busy in it is killed too)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Added to every worker's environment."""
     keeper: bool = True
