@@ -306,10 +306,11 @@ def test_the_coordinator_alarms_every_worker_of_a_generation_once_it_learns_that
 
 def test_a_member_still_in_a_failed_generation_after_the_grace_is_killed_as_stuck():
     """In process, no workers: generation 0 formed (every rank arrived), rank 1 died, ranks 0 and 2
-    said they left it, rank 3 said nothing (a wait its broken sockets did not end). Past
-    stall_grace_s the coordinator asks for rank 3's kill, once, and for nobody else's. A
-    generation that never formed (a member died in its rendezvous) kills nobody: its members wait
-    in the rendezvous, which the next plan ends."""
+    said they left it (their rendezvous gives up after 1 s), rank 3 said nothing (a wait its
+    broken sockets did not end). Not before four fifths of that rendezvous (a wait that ends at
+    its own timeout keeps the member), then the coordinator asks for rank 3's kill, once, and for
+    nobody else's. A generation that never formed (a member died in its rendezvous) kills
+    nobody: its members wait in the rendezvous, which the next plan ends."""
     from hotspare import control
     from hotspare.coordinator import Coordinator
 
@@ -332,19 +333,26 @@ def test_a_member_still_in_a_failed_generation_after_the_grace_is_killed_as_stuc
         return [json.loads(t)["worker"] for t in control.read_list(store, control.KILL_COUNT, "kill/", 0)]
 
     fail("a1", 1)
+    t_alarm = time.monotonic()
     for wid, rank in (("a0", 0), ("a2", 2)):
         control.append(store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(
-            control.Waiting(worker=wid, rank=rank, generation=0))))
+            control.Waiting(worker=wid, rank=rank, generation=0, rendezvous_timeout_s=1.0))))
     deadline = time.monotonic() + 10
     while not store.check(["plan/1"]) and time.monotonic() < deadline:
         coordinator.step()
         time.sleep(0.01)
     assert control.Plan.from_json(store.get("plan/1")).replaced == {"1": "s0.0"}
-    assert kills() == []  # within the grace
     fail("s0.0", 1)  # generation 1 fails while it forms: only ranks 0 and 2 arrived
     store.set("gen/1/arrived/0", "1")
     store.set("gen/1/arrived/2", "1")
-    time.sleep(0.3)
+    time.sleep(max(0.0, t_alarm + 0.4 - time.monotonic()))
+    coordinator.step()
+    if time.monotonic() - t_alarm < 0.75:
+        assert kills() == []  # past the grace, not yet four fifths of the others' rendezvous
+    while not kills() and time.monotonic() < deadline:
+        coordinator.step()
+        time.sleep(0.01)
+    assert time.monotonic() - t_alarm >= 0.8
     for _ in range(3):
         coordinator.step()
     assert kills() == ["a3"]

@@ -19,13 +19,14 @@ STEPS = 6
 
 
 def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0, collective_timeout_s=30.0, keeper=True, ranks=4,
-        nodes=2, tier2=""):
+        nodes=2, tier2="", rendezvous_timeout_s=60.0):
     out.mkdir(parents=True)
     code = launch.run(launch.LaunchSpec(keeper=keeper,
         script=[WORKER, str(stage), str(out), kill, str(accum), str(STEPS), str(ckpt_every)], nproc_per_node=ranks,
         logical_nodes=nodes, spares_per_node=spares, stall_grace_s=2.0,
         extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": WORKERS, "HS_TEST_TIER2": tier2,
-                   "HS_TEST_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s)}))
+                   "HS_TEST_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
+                   "HS_TEST_RENDEZVOUS_TIMEOUT_S": str(rendezvous_timeout_s)}))
     results = {}
     for path in glob.glob(str(out / "*.json")):
         r = json.loads(open(path, encoding="utf-8").read())
@@ -176,12 +177,12 @@ def test_a_survivor_stuck_in_the_failed_generation_is_killed_and_replaced_too(tm
     """Rank 3's training thread stops for good before step 2 (its heartbeat goes on; the alarm's
     broken sockets do not reach it: as a gloo wait that ignored them was seen to), and rank 1
     dies a second later, blocked in step 2 on rank 3. The plan for rank 1 is made at once;
-    rank 3 never says it left generation 0, so stall_grace_s after the alarm the coordinator has
-    it killed, the generation that waited for it is superseded, a spare on rank 3's node takes
-    it, and training finishes bitwise identical. Without that the others waited out the
-    rendezvous timeout and failed."""
+    rank 3 never says it left generation 0, so once the others' rendezvous (15 s here) is four
+    fifths through, the coordinator has it killed, the generation that waited for it is
+    superseded, a spare on rank 3's node takes it, and training finishes bitwise identical.
+    Without that the others' rendezvous timed out and the job failed."""
     ref = reference(tmp_path_factory, 2, 1)
-    code, got = run(tmp_path / "out", 2, kill="1:2:0:later,3:2:0:wedge")
+    code, got = run(tmp_path / "out", 2, kill="1:2:0:later,3:2:0:wedge", rendezvous_timeout_s=15.0)
     assert code == 0
     assert got[1]["spare"] and got[3]["spare"]
     assert_bitwise(ref, got, {0: 1, 1: 1, 2: 1, 3: 1})

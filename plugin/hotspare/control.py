@@ -144,6 +144,9 @@ class Waiting:
     """Its failure was a collective that timed out (no peer error): someone may be stuck."""
     waited_s: float = 0.0
     """How long that collective waited (its group's timeout) when ``timed_out``."""
+    rendezvous_timeout_s: float = 0.0
+    """How long it waits for the next generation's members (``recovery.rendezvous_timeout_s``;
+    0: not said): the coordinator kills a member stuck in the failed generation before that."""
 
 
 @dataclass

@@ -226,17 +226,22 @@ class Coordinator:
                 self._killed.add(wid)
 
     def _kill_stuck_members(self) -> None:
-        """A member of a failed generation that has neither failed nor said it left
-        ``stall_grace_s`` after the alarm is stuck in it: alive and beating, but in a wait that
-        its broken connections did not end (seen on CPU: a gloo all-gather's send that waited
-        out the whole collective timeout, 120 s, after the worker's own sockets were shut down;
-        meanwhile the next generation's rendezvous timed out on every other member). It is
-        killed, and the next plan replaces it like any failed rank. Only generations that formed
-        (every rank arrived) are looked at: a member of one that did not is in the rendezvous,
-        which the next plan ends (:class:`hotspare.generation.Superseded`)."""
+        """A member of a failed generation that has neither failed nor said it left is stuck in
+        it: alive and beating, but in a wait that its broken connections did not end (seen on
+        CPU, gloo: an all-gather or an isend that waited out the whole collective timeout, 120 s,
+        after the worker's own sockets were shut down; meanwhile the next generation's
+        rendezvous timed out on every other member, and the job failed). It is killed, and the
+        next plan replaces it like any failed rank, once the others' rendezvous is four fifths
+        through (``rendezvous_timeout_s`` of their reports; ``stall_grace_s`` at least): not
+        sooner, because a stuck wait that ends at its own timeout before then keeps the member
+        and the copies of others' state it holds (killing it at once lost the only copy of a
+        rank in a double fault of the fault matrix). Only generations that formed (every rank
+        arrived) are looked at: a member of one that did not is in the rendezvous, which the
+        next plan ends (:class:`hotspare.generation.Superseded`)."""
         now = time.monotonic()
         for g, since in list(self._alarm_at.items()):
-            if now - since <= self.spec.stall_grace_s:
+            said = [r.rendezvous_timeout_s for r in self._waiting.get(g, {}).values() if r.rendezvous_timeout_s > 0]
+            if now - since <= max(self.spec.stall_grace_s, 0.8 * min(said, default=0.0)):
                 continue
             del self._alarm_at[g]  # one look per failed generation
             plan = self._plan_of(g)
@@ -244,8 +249,9 @@ class Coordinator:
                 continue
             left = set(self._waiting.get(g, {}))
             for wid in sorted(set(plan.workers.values()) - left - self._failed - self._killed):
-                _log(f"worker {wid} is still in generation {g} {now - since:.1f} s after it failed (--stall-grace-s="
-                     f"{self.spec.stall_grace_s}): killing it as stuck")
+                _log(f"worker {wid} is still in generation {g} {now - since:.1f} s after it failed (the others' "
+                     f"rendezvous gives up at {min(said, default=0.0):.0f} s, --stall-grace-s={self.spec.stall_grace_s}): "
+                     f"killing it as stuck")
                 control.append(self.store, control.KILL_COUNT, "kill/",
                                json.dumps({"worker": wid, "detect_s": now - since}))
                 self._killed.add(wid)

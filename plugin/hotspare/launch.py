@@ -77,8 +77,9 @@ class LaunchSpec:
     has to report it too; one that does not is stuck (alive, beating, not in the collective)
     and is killed and replaced. When all report, the same workers form the next generation.
     Likewise after any failure: a member of the failed generation that has neither failed nor
-    said it left this long after the alarm is killed as stuck (so it must exceed the longest
-    phase with no collective, such as a synchronous checkpoint save: one busy in it is killed too)."""
+    said it left is killed as stuck, this long after the alarm at least, and not before the
+    others' rendezvous is four fifths through (one busy in a phase with no collective, such as a
+    synchronous checkpoint save, that long is killed too)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Added to every worker's environment."""
     keeper: bool = True
@@ -801,8 +802,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     p.add_argument("--job-id", default="")
     p.add_argument("--store-timeout", type=float, default=60.0)
     p.add_argument("--stall-grace-s", type=float, default=5.0,
-                   help="seconds every active worker has to report a failure its peers saw (or to leave a "
-                        "failed generation) before it is killed as stuck")
+                   help="seconds every active worker has to report a failure its peers saw (or, at least, to "
+                        "leave a failed generation) before it is killed as stuck")
     p.add_argument("--no-keeper", action="store_true",
                    help="start no keeper (ranks retain nothing outside their own processes)")
     p.add_argument("--spares-only", action="store_true",

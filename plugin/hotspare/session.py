@@ -307,7 +307,8 @@ class Session:
         timed_out = is_timeout(error)
         control.append(self.store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(control.Waiting(
             worker=worker_id(), rank=self.generation.rank, generation=generation, timed_out=timed_out,
-            waited_s=self.config.recovery.collective_timeout_s if timed_out else 0.0))))
+            waited_s=self.config.recovery.collective_timeout_s if timed_out else 0.0,
+            rendezvous_timeout_s=self.config.recovery.rendezvous_timeout_s))))
 
     def _take_part(self, plan, records, retained: Mirror | None, phases: dict, t0: float) -> None:
         """Join ``plan``'s generation, rebuild every group, restore, restart mirroring (survivor or spare)."""

@@ -55,7 +55,7 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
         "mirror": {"chunk_mb": 0.01, "timeout_s": 20.0},
         "recovery": {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0,
                      "collective_timeout_s": float(os.environ.get("HS_TEST_COLLECTIVE_TIMEOUT_S", "30")),
-                     "rendezvous_timeout_s": 60.0},
+                     "rendezvous_timeout_s": float(os.environ.get("HS_TEST_RENDEZVOUS_TIMEOUT_S", "60"))},
     }
     if os.environ.get("HS_TEST_TIER2", "").startswith("stripe"):
         _, k, m = os.environ["HS_TEST_TIER2"].split(":")
