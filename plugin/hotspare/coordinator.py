@@ -219,11 +219,14 @@ class Coordinator:
         if missing and now - self._stall_since > self.spec.stall_grace_s:
             waited = max((r.waited_s for r in waiting.values() if r.timed_out), default=0.0)
             for wid in missing:
-                _log(f"worker {wid} did not report the failure its peers saw within {self.spec.stall_grace_s} s: "
-                     f"killing it as stuck")
-                control.append(self.store, control.KILL_COUNT, "kill/",
-                               json.dumps({"worker": wid, "detect_s": waited + now - self._stall_since}))
-                self._killed.add(wid)
+                self._kill(wid, waited + now - self._stall_since,
+                           f"did not report the failure its peers saw within {self.spec.stall_grace_s} s")
+
+    def _kill(self, wid: str, detect_s: float, why: str) -> None:
+        """Have ``wid``'s launcher kill it as stuck (``kill/``); its failure is then reported as any."""
+        _log(f"worker {wid} {why}: killing it as stuck")
+        control.append(self.store, control.KILL_COUNT, "kill/", json.dumps({"worker": wid, "detect_s": detect_s}))
+        self._killed.add(wid)
 
     def _kill_stuck_members(self) -> None:
         """A member of a failed generation that has neither failed nor said it left is stuck in
@@ -249,12 +252,9 @@ class Coordinator:
                 continue
             left = set(self._waiting.get(g, {}))
             for wid in sorted(set(plan.workers.values()) - left - self._failed - self._killed):
-                _log(f"worker {wid} is still in generation {g} {now - since:.1f} s after it failed (the others' "
-                     f"rendezvous gives up at {min(said, default=0.0):.0f} s, --stall-grace-s={self.spec.stall_grace_s}): "
-                     f"killing it as stuck")
-                control.append(self.store, control.KILL_COUNT, "kill/",
-                               json.dumps({"worker": wid, "detect_s": now - since}))
-                self._killed.add(wid)
+                self._kill(wid, now - since, f"is still in generation {g} {now - since:.1f} s after it failed (the "
+                           f"others' rendezvous gives up at {min(said, default=0.0):.0f} s, --stall-grace-s="
+                           f"{self.spec.stall_grace_s})")
 
     def _plan_of(self, generation: int) -> control.Plan:
         if generation == 0:

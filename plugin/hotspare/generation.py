@@ -121,9 +121,9 @@ def leave(background: bool = False) -> Reaper | None:
     if not dist.is_initialized():
         return None
     # Every group the generation made, the default one included (torch's registry of them).
-    groups = list(dist.distributed_c10d._world.pg_map) if background else []
+    reaper = Reaper(list(dist.distributed_c10d._world.pg_map)) if background else None
     dist.destroy_process_group()
-    return Reaper(groups) if background else None
+    return reaper
 
 
 class Reaper(threading.Thread):
