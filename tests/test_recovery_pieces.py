@@ -4,14 +4,17 @@ rendezvous of a new generation."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import sys
+import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
+from hotspare import sockets
 from hotspare.generation import Generation, arrive
 from hotspare.mirror import MirrorError
 from hotspare.recovery import is_distributed_error
@@ -39,6 +42,89 @@ def test_breaking_connections_gives_the_peer_eof_and_spares_the_store():
         finally:
             for s in (peer_client, peer_server, store_client, store_server):
                 s.close()
+
+
+STREAM = """import socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+end, n = time.monotonic() + 0.04, 0
+try:
+    while time.monotonic() < end:
+        s.sendall(b"y" * 65536)
+        n += 65536
+except OSError:
+    n = -1  # cut mid-payload
+print(n)
+"""
+
+
+def test_a_connection_moving_a_payload_is_shut_down_once_it_drained():
+    """``moving``: bytes queued, or data in the last QUIET_MS. The break waits for such a
+    connection (here a payload streamed by another process for 40 ms: every byte arrives), and
+    cuts one that stalled (nobody reads it) after STALL_MS, not at drain_s."""
+    import subprocess
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        idle_a, idle_b = _pair(listener)
+        stuck_sender, stuck_reader = _pair(listener)
+        sender = subprocess.Popen([sys.executable, "-c", STREAM, str(listener.getsockname()[1])],
+                                  stdout=subprocess.PIPE, text=True)
+        reader, _ = listener.accept()
+        got = []
+        try:
+            time.sleep(2 * sockets.QUIET_MS / 1000)  # (the kernel counts the handshake as data received)
+            assert not sockets.moving(idle_a) and not sockets.moving(idle_b)
+            stuck_sender.sendall(b"x" * 100_000)  # never read
+            assert sockets.moving(stuck_reader)
+
+            def read():
+                while chunk := reader.recv(1 << 20):
+                    got.append(len(chunk))
+
+            thread = threading.Thread(target=read)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while not got and time.monotonic() < deadline:  # the payload is on the wire
+                time.sleep(0.001)
+            t0 = time.monotonic()
+            n = break_connections({-1}, drain_s=5.0)
+            took = time.monotonic() - t0
+            thread.join(timeout=5)
+            stdout, _ = sender.communicate(timeout=30)
+            assert n >= 5
+            # The payload was not cut: every byte arrived. The stalled pair did not hold the break up.
+            assert int(stdout) == sum(got) > 0
+            assert took < 2.0, took
+        finally:
+            sender.kill()
+            for s in (idle_a, idle_b, stuck_sender, stuck_reader, reader):
+                s.close()
+
+
+def test_gloo_wakes_no_transfer_cut_mid_payload_and_the_break_lets_it_land():
+    """Pins what sockets.py works around (torch 2.13's gloo): a send and a receive whose bytes
+    were moving when the connection was shut down wait out the group's timeout on both ends.
+    ``break_connections`` waits for the payload instead: it lands intact, and the next receive
+    on the broken connection fails at once."""
+    import subprocess
+
+    worker = os.path.join(os.path.dirname(__file__), "workers", "midpayload.py")
+    out = {}
+    for drain in ("0", "5"):  # one pair at a time: a sender descheduled for QUIET_MS looks done
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        procs = [subprocess.Popen([sys.executable, worker, str(r), port, drain, "2"], stdout=subprocess.PIPE,
+                                  text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+        for r, p in enumerate(procs):
+            stdout, _ = p.communicate(timeout=120)
+            out[drain, r] = json.loads(stdout.strip().splitlines()[-1])
+    for r in (0, 1):  # cut: both ends time out (2 s), neither is told of the broken connection
+        assert out["0", r]["first"] == "error" and "Timed out" in out["0", r]["error"], out["0", r]
+        assert out["0", r]["first_s"] > 1.5
+    assert out["0", 1]["moving_seen"]
+    assert out["5", 0]["first"] == "ok" and out["5", 1]["first"] == "ok" and out["5", 1]["intact"], out
+    assert out["5", 1]["second"] == "error" and "Timed out" not in out["5", 1]["error"], out["5", 1]
+    assert out["5", 1]["second_s"] < 1.0
 
 
 @pytest.mark.parametrize("exc, expected", [

@@ -11,55 +11,118 @@ TCP connection of its process except those to the control store: its peers read 
 and fail in turn, and within a few milliseconds every survivor is out of the old generation.
 The file descriptors stay open (gloo owns them; they are closed when the groups are destroyed).
 NCCL communicators are aborted through torch's own call instead.
+
+A payload already on the wire is not cut: gloo (torch 2.13) does not wake a send or receive
+whose bytes were moving when its connection was shut down; both ends wait out the group's
+timeout (tests/test_recovery_pieces.py pins it), while an operation that is posted but not yet
+moving fails at once. A connection still moving data is shut down once it is quiet
+(:func:`break_connections`).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
+import termios
+import time
 
 FD_DIR = "/proc/self/fd"
 
 
-def _tcp_peers():
-    """(fd, local port, peer port) of each connected TCP socket of this process.
+QUIET_MS = 10
+"""A connection with nothing queued either way and no data received for this long carries no
+payload. A payload moves without pause unless its sender is descheduled (a few ms on a loaded
+host); the kernel's clock for it ticks in 1-10 ms."""
+STALL_MS = 50
+"""A connection with bytes queued and nothing received (data or acknowledgement) for this long
+is not moving: its peer is gone without a reset (a lost node) or stopped reading."""
+DRAIN_S = 0.1
+"""The longest a connection still moving data is given before it is shut down anyway."""
+POLL_S = 0.001
+
+_TCP_INFO_LEN = 104
+_LAST_DATA_RECV, _LAST_ACK_RECV = 52, 56  # byte offsets in Linux's struct tcp_info (u32, ms)
+
+
+def _connections(keep_ports: set[int]) -> list[socket.socket]:
+    """Duplicates of this process's connected TCP sockets, except to or from ``keep_ports``
+    (the caller closes them; shutting one down applies to the socket it shares with gloo).
 
     Reads only this process's descriptors (not the machine's whole connection table, which
     psutil scans: 20-30 ms on a busy host, on the path from a failure to the new plan)."""
     try:
         fds = os.listdir(FD_DIR)
     except OSError:
-        return
+        return []
+    out = []
     for name in fds:
-        fd = int(name)
         try:
             if not os.readlink(f"{FD_DIR}/{name}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(fd))
+            sock = socket.socket(fileno=os.dup(int(name)))
         except OSError:
             continue  # closed meanwhile, or not ours to look at
         try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-                continue
-            try:
-                peer = sock.getpeername()
-            except OSError:
-                continue  # a listener, or not connected
-            yield sock, sock.getsockname()[1], peer[1]
-        finally:
-            sock.close()  # closes the duplicate only
-
-
-def break_connections(keep_ports: set[int]) -> int:
-    """Shut down this process's connected TCP sockets, except to or from ``keep_ports``; returns how many."""
-    count = 0
-    for dup, local, remote in _tcp_peers():
-        if local in keep_ports or remote in keep_ports:
-            continue
-        try:
-            dup.shutdown(socket.SHUT_RDWR)  # applies to the shared socket: gloo's descriptor sees it
-            count += 1
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                remote = sock.getpeername()[1]
+                if sock.getsockname()[1] not in keep_ports and remote not in keep_ports:
+                    out.append(sock)
+                    continue
         except OSError:
-            pass
+            pass  # a listener, or not connected
+        sock.close()
+    return out
+
+
+def _queued(sock: socket.socket, request: int) -> int:
+    buf = bytearray(4)
+    fcntl.ioctl(sock.fileno(), request, buf)
+    return struct.unpack("i", buf)[0]
+
+
+def moving(sock: socket.socket) -> bool:
+    """Whether ``sock`` is carrying a payload now: bytes queued to send or to read, or data
+    received in the last :data:`QUIET_MS`, unless nothing at all came in for :data:`STALL_MS`."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        last_data, last_ack = struct.unpack_from("II", info, _LAST_DATA_RECV)
+        queued = _queued(sock, termios.TIOCOUTQ) + _queued(sock, termios.FIONREAD)
+    except OSError:
+        return False
+    if min(last_data, last_ack) >= STALL_MS:
+        return False
+    return queued > 0 or last_data < QUIET_MS
+
+
+def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> int:
+    """Shut down this process's connected TCP sockets, except to or from ``keep_ports``; returns
+    how many. A connection carrying a payload (:func:`moving`) is shut down once it is quiet,
+    or after ``drain_s``: cutting it would leave both ends waiting out their timeout (see the
+    module's docstring). The others are shut down at once."""
+    socks = _connections(keep_ports)
+    count = 0
+    deadline = time.monotonic() + drain_s
+    try:
+        pending = socks
+        while pending:
+            last = time.monotonic() >= deadline
+            busy = []
+            for sock in pending:
+                if not last and moving(sock):
+                    busy.append(sock)
+                    continue
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+                except OSError:
+                    pass
+            pending = busy
+            if pending:
+                time.sleep(POLL_S)
+    finally:
+        for sock in socks:
+            sock.close()  # the duplicate only
     return count
 
 
