@@ -51,7 +51,9 @@ def test_two_runs_with_one_seed_are_bitwise_identical(zero, tmp_path, request, n
     assert other[0]["losses_hex"][:2] != first[0]["losses_hex"][:2]
 
 
-
+# make slow: tests/test_recover.py recovers ZeRO 2 bitwise in make test, and
+# test_recipe_trains_through_a_failure_and_loss_falls runs the recipe through a recovery.
+@pytest.mark.slow
 def test_the_recipe_recovers_a_killed_rank_bitwise(zero2_reference, tmp_path, no_leaks):
     """The GPT recipe's loop with a spare: rank 1 is SIGKILLed before step 5 of 12 (mid log window), a spare takes
     it, and every rank ends bitwise identical to the uninterrupted run (the spare's record
