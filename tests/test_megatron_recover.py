@@ -19,11 +19,11 @@ WORKER = os.path.join(WORKERS, "megatron_recover.py")
 ITERS = 5
 
 
-def run(out, kill="none", spares=1, keeper=True, ckpt_every=0):
+def run(out, kill="none", spares=1, keeper=True, ckpt_every=0, tp=1):
     out.mkdir(parents=True)
     code = launch.run(launch.LaunchSpec(script=[WORKER, str(out), str(ITERS), kill, str(ckpt_every)], nproc_per_node=4,
                                         logical_nodes=2, spares_per_node=spares, keeper=keeper, stall_grace_s=2.0,
-                                        extra_env={"OMP_NUM_THREADS": "1"}))
+                                        extra_env={"OMP_NUM_THREADS": "1", "HS_TEST_TP": str(tp)}))
     results = {}
     for path in glob.glob(str(out / "*.json")):
         r = json.load(open(path, encoding="utf-8"))
@@ -64,6 +64,30 @@ def test_a_pipeline_rank_killed_mid_iteration_is_replaced_in_place_bitwise(kill,
             assert set(b["losses"]) >= {str(i) for i in range(0 if not b["spare"] else landed, ITERS)}
         assert len(b["recoveries"]) == 1, b["recoveries"]
         assert b["stale_group_calls"] == 0, f"rank {rank} ran collectives on destroyed groups"
+        assert b["dead_groups_held"] == [], f"rank {rank}: modules hold destroyed groups"
+
+
+@pytest.mark.slow  # ~50 s with its own reference run
+def test_a_tensor_parallel_rank_killed_mid_iteration_is_replaced_bitwise(tmp_path, no_leaks):
+    """PP=2 x TP=2 x DP=1: the tensor-parallel groups have two members, so the rebuild makes
+    them anew for real (with TP=1 they are single ranks). Rank 1 (first stage, second
+    tensor-parallel rank: its slice of every layer exists nowhere else) is killed in the forward
+    of microbatch 1; the spare restores it from its peer copy, and the run ends bitwise
+    identical to one that never failed."""
+    code, ref = run(tmp_path / "ref", spares=0, keeper=False, tp=2)
+    assert code == 0 and sorted(ref) == [0, 1, 2, 3]
+    assert {(r["pp"], r["tp"], r["tp_size"], r["dp"]) for r in ref.values()} == \
+        {(0, 0, 2, 0), (0, 1, 2, 0), (1, 0, 2, 0), (1, 1, 2, 0)}
+    code, got = run(tmp_path / "hit", kill="1:2:1:forward", keeper=False, tp=2)
+    assert code == 0 and sorted(got) == [0, 1, 2, 3]
+    assert got[1]["spare"] and (got[1]["pp"], got[1]["tp"]) == (0, 1)
+    for rank in range(4):
+        a, b = ref[rank], got[rank]
+        assert (b["iteration"], b["state"], b["sched_steps"]) == (ITERS, a["state"], a["sched_steps"]), rank
+        assert b["losses"] == {k: a["losses"][k] for k in b["losses"]}, f"rank {rank}: losses differ"
+        assert len(b["recoveries"]) == 1 and b["stale_group_calls"] == 0 and b["dead_groups_held"] == [], b
+    (restore,) = [e for e in events(tmp_path / "hit") if e["kind"] == "restore" and e["rank"] == 1]
+    assert restore["source"] == "peers", restore
 
 
 def events(out) -> list[dict]:

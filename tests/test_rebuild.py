@@ -124,5 +124,18 @@ def test_the_walk_records_every_reference_and_repoint_records_replaces_them_all(
         stuck = rebuild.find_groups([{"t": (new_old,)}])
         with pytest.raises(RuntimeError, match="immutable"):
             rebuild.repoint_records(stuck, {id(new_old): old})
+        # A group held 12 modules down (megatron-core's layers hold their tensor-parallel group
+        # 7 down; the walk once counted two steps per module and missed them) is found.
+        leaf = torch.nn.Module()
+        leaf.tp_group = old
+        root = leaf
+        for _ in range(12):
+            parent = torch.nn.Module()
+            parent.child = root
+            root = parent
+        (deep,) = rebuild.find_groups([[root]])
+        assert deep.group is old and len(deep.refs) == 1
+        deep.refs[0](new_old)
+        assert leaf.tp_group is new_old
     finally:
         dist.destroy_process_group()

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 HOST_PACKAGES = ("deepspeed", "hotspare", "megatron")
-MAX_DEPTH = 12
+MAX_DEPTH = 16
+_MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})
 
 
 # Values the walk never looks into, by exact type: most of what it meets (checked first, as
@@ -81,7 +82,15 @@ def _children(obj):
     else:
         d = vars(obj)
         for k in sorted(d):
-            yield (lambda new, k=k: setattr(obj, k, new)), d[k]
+            if k in _MODULE_DICTS and isinstance(obj, torch.nn.Module):
+                # A module's submodules, parameters and buffers are its own children: one level
+                # of nesting is one step of depth (megatron-core's layers hold their tensor-
+                # parallel group 7 modules down).
+                inner = d[k]
+                for j in list(inner):
+                    yield (lambda new, inner=inner, j=j: inner.__setitem__(j, new)), inner[j]
+            else:
+                yield (lambda new, k=k: setattr(obj, k, new)), d[k]
 
 
 def _walk(roots: Iterable, visit) -> None:

@@ -1,5 +1,5 @@
 """Worker for tests/test_megatron_recover.py: the megatron-core GPT of mcore_gpt.py (PP=2 x DP=2,
-1F1B, 4 microbatches, distributed Adam) trained through hotspare.integrations.megatron under
+or PP=2 x TP=2 with HS_TEST_TP=2; 1F1B, 4 microbatches, distributed Adam) trained through hotspare.integrations.megatron under
 hotspare-run; one rank SIGKILLs itself mid-iteration.
 
 Usage: megatron_recover.py OUT ITERS KILL [CKPT_EVERY], KILL = 'none' or comma-separated
@@ -31,6 +31,8 @@ from hotspare.worker import worker_id
 from hotspare_patches import megatron_core_cpu
 
 STALE = [0]
+TP = int(os.environ.get("HS_TEST_TP", "1"))
+"""Tensor-parallel size (HS_TEST_TP): 2 makes the 4 ranks PP=2 x TP=2 x DP=1."""
 
 
 def tripwire() -> None:
@@ -43,6 +45,19 @@ def tripwire() -> None:
         return original(group)
 
     c10d._rank_not_in_group = check
+
+
+def dead_groups_held(model: list) -> list[str]:
+    """Module attributes holding a process group torch no longer has (a handle the rebuild did
+    not re-point). A tensor-parallel group of one rank is never used for a collective (the
+    layers check its size first), so only this shows a stale one with TP=1."""
+    out = []
+    for chunk in model:
+        for name, module in chunk.named_modules():
+            for attr, value in vars(module).items():
+                if isinstance(value, c10d.ProcessGroup) and value not in c10d._world.pg_map:
+                    out.append(f"{name}.{attr}")
+    return out
 
 
 def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
@@ -61,7 +76,7 @@ def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
     if ckpt_every:
         config["checkpoint"] = {"dir": os.path.join(out, "ckpt"), "every": ckpt_every, "keep": 2}
     session = megatron.initialize(lambda: mcore_gpt.build(gloo_groups=False), config,
-                                  pipeline_model_parallel_size=mcore_gpt.PP)
+                                  pipeline_model_parallel_size=mcore_gpt.PP, tensor_model_parallel_size=TP)
     rank = session.generation.rank
     microbatch = [0]
 
@@ -109,9 +124,11 @@ def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
     from megatron.core import parallel_state as ps
 
     result = {"rank": rank, "worker": worker_id(), "spare": session.spare, "pp": ps.get_pipeline_model_parallel_rank(),
-              "dp": ps.get_data_parallel_rank(), "losses": losses, "state": mcore_gpt.state_digest(session.optimizer),
+              "dp": ps.get_data_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
+              "tp_size": ps.get_tensor_model_parallel_world_size(), "losses": losses, "state": mcore_gpt.state_digest(session.optimizer),
               "sched_steps": session.scheduler.num_steps, "iteration": session.state.iteration,
-              "recoveries": session.recoveries, "stale_group_calls": STALE[0]}
+              "recoveries": session.recoveries, "stale_group_calls": STALE[0],
+              "dead_groups_held": dead_groups_held(session.model)}
     session.close()
     with open(os.path.join(out, f"{worker_id()}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -69,6 +69,7 @@ def build(model_cfg: GPTConfig, t: MegatronTrain, gloo_groups: bool = False):
                             num_attention_heads=model_cfg.num_heads, ffn_hidden_size=4 * model_cfg.hidden_size,
                             hidden_dropout=model_cfg.dropout, attention_dropout=model_cfg.dropout,
                             pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                             pipeline_dtype=torch.float32, params_dtype=torch.float32,
                             use_cpu_initialization=not on_gpu, bias_activation_fusion=False,
                             bias_dropout_fusion=False, masked_softmax_fusion=False,
