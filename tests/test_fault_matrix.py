@@ -92,6 +92,7 @@ def test_one_case_of_each_fault_kind_ends_acceptably(tmp_path, no_leaks):
     assert rows[SUBSET[0]]["recovery_s"] is not None
 
 
+@pytest.mark.slow  # ~50 s: the suite's time budget (make test stays under 15 min on 2 cores)
 def test_a_spares_node_lost_right_after_it_took_over_from_its_keeper_is_recovered(tmp_path, no_leaks):
     """Rank 1 is killed, its node's spare restores it from the keeper at the newest version V (its
     holder on the other node has only V-1), then that whole node is lost at the next step's
