@@ -139,3 +139,27 @@ def test_the_walk_records_every_reference_and_repoint_records_replaces_them_all(
         assert leaf.tp_group is new_old
     finally:
         dist.destroy_process_group()
+
+
+def test_the_tripwire_names_objects_that_hold_a_destroyed_group():
+    """hotspare.testing.groups.dead_groups_held, which the recovery tests assert empty: a group
+    torch no longer has, held as an attribute or in a list attribute, is named by its holder."""
+    import torch
+    import torch.distributed as dist
+
+    from hotspare.testing.groups import dead_groups_held
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0], backend="gloo")
+        module = torch.nn.Linear(2, 2)
+        module.tp_group = group
+        module.groups = [group]
+        assert dead_groups_held() == []
+        dist.destroy_process_group(group)
+        assert dead_groups_held() == ["torch.nn.modules.linear.Linear.groups[0]",
+                                      "torch.nn.modules.linear.Linear.tp_group"]
+        del module
+        assert dead_groups_held() == []
+    finally:
+        dist.destroy_process_group()

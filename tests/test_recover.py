@@ -62,6 +62,7 @@ def assert_bitwise(ref, got, recoveries):
         assert (b["fp32"], b["optim"]) == (a["fp32"], a["optim"]), f"rank {rank}: final state differs"
         assert len(b["recoveries"]) == recoveries[rank]
         assert b["threads_after_close"] == [] and b["process_group_after_close"] is False
+        assert b["dead_groups_held"] == [], f"rank {rank}: objects hold destroyed groups"
     for r in got.values():
         for rec in r["recoveries"]:
             if "failed_at" in rec and "fallback" not in rec:  # a survivor: at most one iteration lost

@@ -27,6 +27,7 @@ from torch.distributed import distributed_c10d as c10d
 
 import mcore_gpt
 from hotspare.integrations import megatron
+from hotspare.testing.groups import dead_groups_held
 from hotspare.worker import worker_id
 from hotspare_patches import megatron_core_cpu
 
@@ -45,19 +46,6 @@ def tripwire() -> None:
         return original(group)
 
     c10d._rank_not_in_group = check
-
-
-def dead_groups_held(model: list) -> list[str]:
-    """Module attributes holding a process group torch no longer has (a handle the rebuild did
-    not re-point). A tensor-parallel group of one rank is never used for a collective (the
-    layers check its size first), so only this shows a stale one with TP=1."""
-    out = []
-    for chunk in model:
-        for name, module in chunk.named_modules():
-            for attr, value in vars(module).items():
-                if isinstance(value, c10d.ProcessGroup) and value not in c10d._world.pg_map:
-                    out.append(f"{name}.{attr}")
-    return out
 
 
 def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
@@ -128,7 +116,7 @@ def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
               "tp_size": ps.get_tensor_model_parallel_world_size(), "losses": losses, "state": mcore_gpt.state_digest(session.optimizer),
               "sched_steps": session.scheduler.num_steps, "iteration": session.state.iteration,
               "recoveries": session.recoveries, "stale_group_calls": STALE[0],
-              "dead_groups_held": dead_groups_held(session.model)}
+              "dead_groups_held": dead_groups_held()}
     session.close()
     with open(os.path.join(out, f"{worker_id()}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
