@@ -34,6 +34,9 @@ from hotspare_patches import megatron_core_cpu
 STALE = [0]
 TP = int(os.environ.get("HS_TEST_TP", "1"))
 """Tensor-parallel size (HS_TEST_TP): 2 makes the 4 ranks PP=2 x TP=2 x DP=1."""
+GLOO_GROUPS = os.environ.get("HS_TEST_GLOO_GROUPS") == "1"
+"""megatron-core's extra gloo data-parallel groups for the distributed optimizer
+(``use_gloo_process_groups``, its default on a GPU install)."""
 
 
 def tripwire() -> None:
@@ -63,8 +66,9 @@ def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
                            "rendezvous_timeout_s": 60.0}}
     if ckpt_every:
         config["checkpoint"] = {"dir": os.path.join(out, "ckpt"), "every": ckpt_every, "keep": 2}
-    session = megatron.initialize(lambda: mcore_gpt.build(gloo_groups=False), config,
-                                  pipeline_model_parallel_size=mcore_gpt.PP, tensor_model_parallel_size=TP)
+    session = megatron.initialize(lambda: mcore_gpt.build(gloo_groups=GLOO_GROUPS), config,
+                                  pipeline_model_parallel_size=mcore_gpt.PP, tensor_model_parallel_size=TP,
+                                  create_gloo_process_groups=GLOO_GROUPS)
     rank = session.generation.rank
     microbatch = [0]
 

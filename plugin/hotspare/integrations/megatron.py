@@ -28,6 +28,7 @@ rank all-gathers them (:meth:`MegatronState.resync`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -569,6 +570,29 @@ def _fence_optimizer_step(session: MegatronSession) -> None:
     session.optimizer.step = fenced_step
 
 
+@contextlib.contextmanager
+def _gloo_twins_fake_on_a_spare(spare: bool):
+    """A spare builds its rank's objects on torch's fake process group (startup.await_takeover),
+    where torch cannot make a gloo group: megatron-core's gloo twins of the data-parallel groups
+    (``create_gloo_process_groups``) are made there as fake groups too. The takeover's rebuild
+    makes the real ones and re-points them by name, as every other group."""
+    if not spare:
+        yield
+        return
+    from megatron.core import parallel_state as ps
+
+    original = ps.create_group
+
+    def create_group(*args, backend=None, **kwargs):
+        return original(*args, backend=None if backend == "gloo" else backend, **kwargs)
+
+    ps.create_group = create_group
+    try:
+        yield
+    finally:
+        ps.create_group = original
+
+
 def parse_config(config: Mapping | HotspareConfig | str | None) -> HotspareConfig | None:
     """The ``"hotspare"`` section: a mapping (the section, or a dict holding it under
     ``"hotspare"``), a JSON file path, or a HotspareConfig; None turns hotspare off."""
@@ -615,15 +639,18 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
     """Join the job's process group (through ``hotspare-run``'s control store), initialise
     ``parallel_state`` and build this rank's objects with ``build()`` -> ``(model_chunks,
     optimizer, scheduler)``: megatron-core DDP chunks, ``get_megatron_optimizer``'s optimizer
-    with the distributed optimizer (each rank's unique state is its shard) and
-    ``use_gloo_process_groups=False``, and an ``OptimizerParamScheduler`` or None.
+    with the distributed optimizer (each rank's unique state is its shard), and an
+    ``OptimizerParamScheduler`` or None.
 
     ``build`` runs after ``parallel_state`` is set up, so it sees this rank's stage; a spare
     (``HOTSPARE_ROLE=spare``) runs it for the rank it takes, while the coordinator plans, and
     returns a session restored to the landing iteration. The remaining keyword arguments go to
     ``initialize_model_parallel`` (which hotspare calls, and calls again at each recovery);
-    its gloo twins of the data-parallel groups are not made (``create_gloo_process_groups``
-    is False), and its groups get ``recovery.collective_timeout_s``. On CPU apply
+    its gloo twins of the data-parallel groups are made only with
+    ``create_gloo_process_groups=True`` (megatron-core's default is True; here it is False:
+    four fewer groups to make again at each recovery; pass it, and ``use_gloo_process_groups=True``
+    to ``get_megatron_optimizer``, where the optimizer needs them), and its groups get
+    ``recovery.collective_timeout_s``. On CPU apply
     ``hotspare_patches.megatron_core_cpu`` first.
     """
     check_version()
@@ -633,16 +660,13 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
     if ps.model_parallel_is_initialized():
         raise RuntimeError("parallel_state is initialised already: let hotspare's initialize call "
                            "initialize_model_parallel (pass its arguments here), so that it can rebuild the groups")
-    if parallel.pop("create_gloo_process_groups", False):
-        raise ConfigError("create_gloo_process_groups=True: hotspare does not rebuild megatron-core's gloo twins of "
-                          "the data-parallel groups; leave it out (and pass use_gloo_process_groups=False to "
-                          "get_megatron_optimizer)")
+    gloo_twins = bool(parallel.pop("create_gloo_process_groups", False))
     warm_up = warm_up_checkpoint_writer() if hs is not None and hs.enabled and hs.checkpoint.enabled else None
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout_s = hs.recovery.collective_timeout_s if hs is not None else 120.0
     parallel = {"tensor_model_parallel_size": tensor_model_parallel_size,
                 "pipeline_model_parallel_size": pipeline_model_parallel_size, **parallel,
-                "create_gloo_process_groups": False, "distributed_timeout_minutes": timeout_s / 60.0}
+                "create_gloo_process_groups": gloo_twins, "distributed_timeout_minutes": timeout_s / 60.0}
     spare = role() == "spare"
     store = heartbeat = order = None
     from megatron.core import package_info
@@ -659,7 +683,8 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
         gen, store = join_from_env(backend, timeout_s, fp)
         if hs is not None and hs.enabled:
             heartbeat = heartbeat_for(hs, store)
-    ps.initialize_model_parallel(**parallel)
+    with _gloo_twins_fake_on_a_spare(spare):
+        ps.initialize_model_parallel(**parallel)
     model, optimizer, scheduler = build()
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     session = MegatronSession(model=model, optimizer=optimizer, scheduler=scheduler, parallel=parallel, config=hs,
