@@ -515,3 +515,42 @@ def test_a_worker_about_to_be_killed_as_stuck_writes_where_it_is_stuck():
         proc.kill()
         _, err = proc.communicate(timeout=30)
     assert b"blocked_right_here" in err and b"<string>" in err, err.decode(errors="replace")
+
+
+def test_a_rank_whose_spares_keep_failing_to_take_it_stops_the_job():
+    """In process, no workers: rank 1 dies; each spare promoted to it fails before generation
+    formed (a build that fails on every spare: seen with megatron-core's gloo twins on a
+    spare's fake process group, which replaced spare after spare for 5 minutes). The third
+    failed takeover in a row stops the job, naming the rank and the spares; a takeover whose
+    generation formed starts the count over."""
+    from hotspare import control
+    from hotspare.coordinator import MAX_FAILED_TAKEOVERS, Coordinator
+
+    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
+                                                 spares_per_node=4, settle_s=0.0))
+    launcher._open_store()
+    store = launcher.store
+    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
+    spares = [f"s0.{i}" for i in range(5)]
+    for wid in spares:
+        control.append(store, control.SPARE_COUNT, "spare/", json.dumps([wid, 0]))
+        store.set(f"ready/{wid}", "1")
+
+    def fail_and_plan(wid, rank, g):
+        control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
+            worker=wid, rank=rank, code=1, reason="exit", wall_time=time.time()))))
+        deadline = time.monotonic() + 10
+        while not store.check([f"plan/{g}"]) and time.monotonic() < deadline:
+            coordinator.step()
+            time.sleep(0.01)
+        return control.Plan.from_json(store.get(f"plan/{g}"))
+
+    assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
+    for r in range(4):  # generation 1 formed: s0.0 took rank 1, then failed later
+        store.set(f"gen/1/arrived/{r}", "1")
+    assert fail_and_plan("s0.0", 1, 2).replaced == {"1": "s0.1"}  # counted as any failure
+    assert fail_and_plan("s0.1", 1, 3).replaced == {"1": "s0.2"}  # 1 failed takeover
+    assert fail_and_plan("s0.2", 1, 4).replaced == {"1": "s0.3"}  # 2
+    plan = fail_and_plan("s0.3", 1, 5)  # 3: stop
+    assert MAX_FAILED_TAKEOVERS == 3 and plan.abort and not plan.replaced
+    assert "rank 1: 3 spares in a row (s0.1, s0.2, s0.3) failed before their generation formed" in plan.abort

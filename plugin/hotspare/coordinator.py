@@ -18,6 +18,12 @@ import time
 from . import control
 
 
+MAX_FAILED_TAKEOVERS = 3
+"""Spares in a row that may fail to take one rank (each before its generation formed) before the
+job stops: one that fails at every takeover (a bug in the rank's build, a broken node) would
+otherwise be replaced by its successor, and that by its own, for ever."""
+
+
 def _log(msg: str) -> None:
     print(f"[hotspare-run] {msg}", file=sys.stderr, flush=True)
 
@@ -55,6 +61,8 @@ class Coordinator:
         self._alarmed: set[int] = set()  # generations whose workers were told that it failed
         self._alarm_at: dict[int, float] = {}  # a failed generation -> when, until its members were checked
         self._failed: set[str] = set()  # workers a launcher reported failed
+        self._promoted: dict[str, tuple[int, int]] = {}  # spare -> (rank, generation) it was promoted to
+        self._failed_takeovers: dict[int, list[str]] = {}  # rank -> its spares, in a row, that failed to join
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -98,6 +106,7 @@ class Coordinator:
                 # A spare that died after the plan promoted it but before its launcher saw the plan.
                 rank = self._current_plan().rank_of(failure.worker)
                 failure = dataclasses.replace(failure, rank=-1 if rank is None else rank)
+            self._count_takeover(failure)
             if failure.rank >= 0:
                 if not self._pending:
                     self._pending_since = time.monotonic()
@@ -144,7 +153,16 @@ class Coordinator:
             self._pending = failures + self._pending
             return
         self._waiting_for_spares = False
-        if choice is None:
+        repeated = {r: w for r, w in self._failed_takeovers.items() if r in dead and len(w) >= MAX_FAILED_TAKEOVERS}
+        if repeated:
+            reason = "; ".join(
+                f"rank {r}: {len(w)} spares in a row ({', '.join(w)}) failed before their generation formed" for r, w
+                in sorted(repeated.items())) + (" (a spare cannot take this rank: see those workers' logs; a spare "
+                                               "that fails the same way each time is not a transient fault)")
+            plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
+                                abort=reason, failures_read=self._fail_read)
+            _log(f"cannot recover: {reason}")
+        elif choice is None:
             lost = ", ".join(f"rank {f.rank} ({describe_exit(f.code) if f.reason == 'exit' else 'hung'})"
                              for f in failures)
             per_node = max(collections.Counter(dead.values()).values())
@@ -161,6 +179,7 @@ class Coordinator:
             self._spares = [s for s in self._spares if s[0] not in choice.values()]
             plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
                                 failures=[dataclasses.asdict(f) for f in failures], failures_read=self._fail_read)
+            self._promoted.update({w: (r, g) for r, w in choice.items()})
             _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
         self._alarm()  # (already done when a failure or a report came in)
         self.store.set(f"plan/{g}", plan.to_json())
@@ -168,6 +187,19 @@ class Coordinator:
         for wid in plan.replaced.values():
             self.store.set(f"order/{wid}", str(g))
             control.wake(self.store, wid)
+
+    def _count_takeover(self, failure: control.Failure) -> None:
+        """A promoted spare that fails before its generation formed (every rank arrived) failed its
+        takeover; one that fails after it is counted as any failure, and its rank starts over."""
+        promoted = self._promoted.pop(failure.worker, None)
+        if promoted is None:
+            return
+        rank, g = promoted
+        plan = self._plan_of(g)
+        if self.store.check([f"gen/{g}/arrived/{r}" for r in range(plan.world_size)]):
+            self._failed_takeovers.pop(rank, None)
+        else:
+            self._failed_takeovers.setdefault(rank, []).append(failure.worker)
 
     def _all_accounted(self) -> bool:
         """Every worker of the current generation has failed or reported that it left it: no other
