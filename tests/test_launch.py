@@ -554,3 +554,36 @@ def test_a_rank_whose_spares_keep_failing_to_take_it_stops_the_job():
     plan = fail_and_plan("s0.3", 1, 5)  # 3: stop
     assert MAX_FAILED_TAKEOVERS == 3 and plan.abort and not plan.replaced
     assert "rank 1: 3 spares in a row (s0.1, s0.2, s0.3) failed before their generation formed" in plan.abort
+
+
+def test_a_spare_carried_into_a_later_generation_that_formed_took_its_rank():
+    """Its first generation never formed (another rank died while it formed), the next one did:
+    when that spare fails later, it is not a failed takeover (the count stays below the stop)."""
+    from hotspare import control
+    from hotspare.coordinator import Coordinator
+
+    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
+                                                 spares_per_node=4, settle_s=0.0))
+    launcher._open_store()
+    store = launcher.store
+    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
+    for wid in [f"s0.{i}" for i in range(6)]:
+        control.append(store, control.SPARE_COUNT, "spare/", json.dumps([wid, 0]))
+        store.set(f"ready/{wid}", "1")
+
+    def fail_and_plan(wid, rank, g):
+        control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
+            worker=wid, rank=rank, code=1, reason="exit", wall_time=time.time()))))
+        deadline = time.monotonic() + 10
+        while not store.check([f"plan/{g}"]) and time.monotonic() < deadline:
+            coordinator.step()
+            time.sleep(0.01)
+        return control.Plan.from_json(store.get(f"plan/{g}"))
+
+    assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
+    assert fail_and_plan("a2", 2, 2).replaced == {"2": "s0.1"}  # generation 1 never formed
+    for r in range(4):
+        store.set(f"gen/2/arrived/{r}", "1")  # s0.0 is in generation 2, which formed
+    assert fail_and_plan("s0.0", 1, 3).replaced == {"1": "s0.2"}  # not a failed takeover
+    assert fail_and_plan("s0.2", 1, 4).replaced == {"1": "s0.3"}  # 1
+    assert fail_and_plan("s0.3", 1, 5).replaced == {"1": "s0.4"}  # 2: still going

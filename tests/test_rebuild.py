@@ -155,9 +155,11 @@ def test_the_tripwire_names_objects_that_hold_a_destroyed_group():
         module = torch.nn.Linear(2, 2)
         module.tp_group = group
         module.groups = [group]
+        module.cfg = {"tp": group}  # a dict of groups and plain values: not tracked by the collector
         assert dead_groups_held() == []
         dist.destroy_process_group(group)
-        assert dead_groups_held() == ["torch.nn.modules.linear.Linear.groups[0]",
+        assert dead_groups_held() == ["torch.nn.modules.linear.Linear.cfg[tp]",
+                                      "torch.nn.modules.linear.Linear.groups[0]",
                                       "torch.nn.modules.linear.Linear.tp_group"]
         del module
         assert dead_groups_held() == []

@@ -195,11 +195,16 @@ class Coordinator:
         if promoted is None:
             return
         rank, g = promoted
-        plan = self._plan_of(g)
-        if self.store.check([f"gen/{g}/arrived/{r}" for r in range(plan.world_size)]):
-            self._failed_takeovers.pop(rank, None)
-        else:
-            self._failed_takeovers.setdefault(rank, []).append(failure.worker)
+        # The generation it was promoted to, or a later one it was carried into (its first was
+        # superseded while it formed: another failure), formed: the takeover itself went through.
+        for gg in range(g, self.generation + 1):
+            plan = self._plan_of(gg)
+            if plan.abort or failure.worker not in plan.workers.values():
+                break
+            if self.store.check([f"gen/{gg}/arrived/{r}" for r in range(plan.world_size)]):
+                self._failed_takeovers.pop(rank, None)
+                return
+        self._failed_takeovers.setdefault(rank, []).append(failure.worker)
 
     def _all_accounted(self) -> bool:
         """Every worker of the current generation has failed or reported that it left it: no other

@@ -42,6 +42,7 @@ DRAIN_S = 0.1
 POLL_S = 0.001
 
 _TCP_INFO_LEN = 104
+_TCP_ESTABLISHED = 1  # tcpi_state, struct tcp_info's first byte
 _LAST_DATA_RECV, _LAST_ACK_RECV = 52, 56  # byte offsets in Linux's struct tcp_info (u32, ms)
 
 
@@ -60,9 +61,14 @@ def _connections(keep_ports: set[int]) -> list[socket.socket]:
         try:
             if not os.readlink(f"{FD_DIR}/{name}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(int(name)))
+            fd = os.dup(int(name))
         except OSError:
             continue  # closed meanwhile, or not ours to look at
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)  # its number went to something else meanwhile
+            continue
         try:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
                 remote = sock.getpeername()[1]
@@ -83,14 +89,15 @@ def _queued(sock: socket.socket, request: int) -> int:
 
 def moving(sock: socket.socket) -> bool:
     """Whether ``sock`` is carrying a payload now: bytes queued to send or to read, or data
-    received in the last :data:`QUIET_MS`, unless nothing at all came in for :data:`STALL_MS`."""
+    received in the last :data:`QUIET_MS`, unless nothing at all came in for :data:`STALL_MS` or
+    the connection is no longer established (its peer closed or reset it: nothing more comes)."""
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
         last_data, last_ack = struct.unpack_from("II", info, _LAST_DATA_RECV)
         queued = _queued(sock, termios.TIOCOUTQ) + _queued(sock, termios.FIONREAD)
-    except OSError:
+    except (OSError, struct.error):
         return False
-    if min(last_data, last_ack) >= STALL_MS:
+    if info[0] != _TCP_ESTABLISHED or min(last_data, last_ack) >= STALL_MS:
         return False
     return queued > 0 or last_data < QUIET_MS
 
