@@ -137,6 +137,18 @@ def test_the_walk_records_every_reference_and_repoint_records_replaces_them_all(
         assert deep.group is old and len(deep.refs) == 1
         deep.refs[0](new_old)
         assert leaf.tp_group is new_old
+        # An object reached first by a path too long to see under it, then by a short one: what
+        # lies under it is found through the short one, and each reference once.
+        shared = torch.nn.Module()
+        shared.inner = torch.nn.Module()
+        shared.inner.group = old
+        long_path = shared
+        for _ in range(rebuild.MAX_DEPTH - 1):  # shared is entered at the limit, its inner module not
+            wrapper = torch.nn.Module()
+            wrapper.child = long_path
+            long_path = wrapper
+        (found,) = rebuild.find_groups([[long_path, shared]])
+        assert found.group is old and len(found.refs) == 1
     finally:
         dist.destroy_process_group()
 

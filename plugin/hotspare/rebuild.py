@@ -94,18 +94,26 @@ def _children(obj):
 
 
 def _walk(roots: Iterable, visit) -> None:
-    """Depth-first over ``roots`` in order; ``visit(group, setter, parent)`` for each group reference."""
-    seen: set[int] = set()
+    """Depth-first over ``roots`` in order; ``visit(group, setter, parent)`` for each group reference.
+
+    An object met again at a smaller depth than its first visit is entered again (only to go
+    deeper: its own group references were visited the first time), so that what lies under it
+    is not cut off by the depth of the longer path that reached it first."""
+    seen: dict[int, int] = {}  # id -> the smallest depth it was entered at
 
     def go(obj, depth):
-        if id(obj) in seen or depth > MAX_DEPTH:
+        if depth > MAX_DEPTH:
             return
-        seen.add(id(obj))
+        first = seen.get(id(obj))
+        if first is not None and first <= depth:
+            return
+        seen[id(obj)] = depth
         for setter, child in _children(obj):
             if type(child) in _LEAVES:
                 continue
             if _is_group(child):
-                visit(child, setter, obj)
+                if first is None:
+                    visit(child, setter, obj)
             elif _enter(child):
                 go(child, depth + 1)
 
