@@ -517,22 +517,18 @@ def test_a_worker_about_to_be_killed_as_stuck_writes_where_it_is_stuck():
     assert b"blocked_right_here" in err and b"<string>" in err, err.decode(errors="replace")
 
 
-def test_a_rank_whose_spares_keep_failing_to_take_it_stops_the_job():
-    """In process, no workers: rank 1 dies; each spare promoted to it fails before generation
-    formed (a build that fails on every spare: seen with megatron-core's gloo twins on a
-    spare's fake process group, which replaced spare after spare for 5 minutes). The third
-    failed takeover in a row stops the job, naming the rank and the spares; a takeover whose
-    generation formed starts the count over."""
+def _coordinator_with_spares(count: int):
+    """In process, no workers: a coordinator for 4 ranks on 2 nodes, ``count`` ready spares on
+    node 0, and ``fail_and_plan(wid, rank, g)``: report that failure, step until plan g is written."""
     from hotspare import control
-    from hotspare.coordinator import MAX_FAILED_TAKEOVERS, Coordinator
+    from hotspare.coordinator import Coordinator
 
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
                                                  spares_per_node=4, settle_s=0.0))
     launcher._open_store()
     store = launcher.store
     coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
-    spares = [f"s0.{i}" for i in range(5)]
-    for wid in spares:
+    for wid in [f"s0.{i}" for i in range(count)]:
         control.append(store, control.SPARE_COUNT, "spare/", json.dumps([wid, 0]))
         store.set(f"ready/{wid}", "1")
 
@@ -545,6 +541,17 @@ def test_a_rank_whose_spares_keep_failing_to_take_it_stops_the_job():
             time.sleep(0.01)
         return control.Plan.from_json(store.get(f"plan/{g}"))
 
+    return store, fail_and_plan
+
+
+def test_a_rank_whose_spares_keep_failing_to_take_it_stops_the_job():
+    """Rank 1 dies; each spare promoted to it fails before its generation formed (a build that
+    fails on every spare: seen with megatron-core's gloo twins on a spare's fake process group,
+    which replaced spare after spare for 5 minutes). The third failed takeover in a row stops the
+    job, naming the rank and the spares; a takeover whose generation formed starts the count over."""
+    from hotspare.coordinator import MAX_FAILED_TAKEOVERS
+
+    store, fail_and_plan = _coordinator_with_spares(5)
     assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
     for r in range(4):  # generation 1 formed: s0.0 took rank 1, then failed later
         store.set(f"gen/1/arrived/{r}", "1")
@@ -559,27 +566,7 @@ def test_a_rank_whose_spares_keep_failing_to_take_it_stops_the_job():
 def test_a_spare_carried_into_a_later_generation_that_formed_took_its_rank():
     """Its first generation never formed (another rank died while it formed), the next one did:
     when that spare fails later, it is not a failed takeover (the count stays below the stop)."""
-    from hotspare import control
-    from hotspare.coordinator import Coordinator
-
-    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
-                                                 spares_per_node=4, settle_s=0.0))
-    launcher._open_store()
-    store = launcher.store
-    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
-    for wid in [f"s0.{i}" for i in range(6)]:
-        control.append(store, control.SPARE_COUNT, "spare/", json.dumps([wid, 0]))
-        store.set(f"ready/{wid}", "1")
-
-    def fail_and_plan(wid, rank, g):
-        control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
-            worker=wid, rank=rank, code=1, reason="exit", wall_time=time.time()))))
-        deadline = time.monotonic() + 10
-        while not store.check([f"plan/{g}"]) and time.monotonic() < deadline:
-            coordinator.step()
-            time.sleep(0.01)
-        return control.Plan.from_json(store.get(f"plan/{g}"))
-
+    store, fail_and_plan = _coordinator_with_spares(6)
     assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
     assert fail_and_plan("a2", 2, 2).replaced == {"2": "s0.1"}  # generation 1 never formed
     for r in range(4):
