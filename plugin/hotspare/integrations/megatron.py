@@ -660,13 +660,12 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
     if ps.model_parallel_is_initialized():
         raise RuntimeError("parallel_state is initialised already: let hotspare's initialize call "
                            "initialize_model_parallel (pass its arguments here), so that it can rebuild the groups")
-    gloo_twins = bool(parallel.pop("create_gloo_process_groups", False))
     warm_up = warm_up_checkpoint_writer() if hs is not None and hs.enabled and hs.checkpoint.enabled else None
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout_s = hs.recovery.collective_timeout_s if hs is not None else 120.0
     parallel = {"tensor_model_parallel_size": tensor_model_parallel_size,
-                "pipeline_model_parallel_size": pipeline_model_parallel_size, **parallel,
-                "create_gloo_process_groups": gloo_twins, "distributed_timeout_minutes": timeout_s / 60.0}
+                "pipeline_model_parallel_size": pipeline_model_parallel_size, "create_gloo_process_groups": False,
+                **parallel, "distributed_timeout_minutes": timeout_s / 60.0}
     spare = role() == "spare"
     store = heartbeat = order = None
     from megatron.core import package_info

@@ -10,12 +10,9 @@ from __future__ import annotations
 import gc
 import types
 
-import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-
-def _is_group(value) -> bool:
-    return issubclass(type(value), dist.ProcessGroup)  # (no attribute lookup on the value itself)
+from hotspare.rebuild import _is_group
 
 
 def _items(container) -> list:
