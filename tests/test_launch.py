@@ -517,14 +517,15 @@ def test_a_worker_about_to_be_killed_as_stuck_writes_where_it_is_stuck():
     assert b"blocked_right_here" in err and b"<string>" in err, err.decode(errors="replace")
 
 
-def _coordinator_with_spares(count: int):
+def _coordinator_with_spares(count: int, successor_wait_s: float = 30.0):
     """In process, no workers: a coordinator for 4 ranks on 2 nodes, ``count`` ready spares on
     node 0, and ``fail_and_plan(wid, rank, g)``: report that failure, step until plan g is written."""
     from hotspare import control
     from hotspare.coordinator import Coordinator
 
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
-                                                 spares_per_node=4, settle_s=0.0))
+                                                 spares_per_node=4, settle_s=0.0,
+                                                 successor_wait_s=successor_wait_s))
     launcher._open_store()
     store = launcher.store
     coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
@@ -545,32 +546,44 @@ def _coordinator_with_spares(count: int):
 
 
 def test_a_rank_whose_spares_keep_failing_to_take_it_stops_the_job():
-    """Rank 1 dies; each spare promoted to it fails before its generation formed (a build that
+    """Rank 1 dies; each spare promoted to it fails before its generation caught up (a build that
     fails on every spare: seen with megatron-core's gloo twins on a spare's fake process group,
-    which replaced spare after spare for 5 minutes). The third failed takeover in a row stops the
-    job, naming the rank and the spares; a takeover whose generation formed starts the count over."""
+    which replaced spare after spare for 5 minutes; or a restore that fails after every rank
+    arrived). The third failed takeover in a row stops the job, naming the rank and the spares;
+    a takeover whose generation caught up starts the count over."""
     from hotspare.coordinator import MAX_FAILED_TAKEOVERS
 
     store, fail_and_plan = _coordinator_with_spares(5)
     assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
-    for r in range(4):  # generation 1 formed: s0.0 took rank 1, then failed later
-        store.set(f"gen/1/arrived/{r}", "1")
+    store.set("caught_up/1", "3")  # generation 1 caught up: s0.0 took rank 1, then failed later
     assert fail_and_plan("s0.0", 1, 2).replaced == {"1": "s0.1"}  # counted as any failure
     assert fail_and_plan("s0.1", 1, 3).replaced == {"1": "s0.2"}  # 1 failed takeover
+    for r in range(4):  # generation 3 formed, but s0.2 fails before it caught up (in its restore)
+        store.set(f"gen/3/arrived/{r}", "1")
     assert fail_and_plan("s0.2", 1, 4).replaced == {"1": "s0.3"}  # 2
     plan = fail_and_plan("s0.3", 1, 5)  # 3: stop
     assert MAX_FAILED_TAKEOVERS == 3 and plan.abort and not plan.replaced
-    assert "rank 1: 3 spares in a row (s0.1, s0.2, s0.3) failed before their generation formed" in plan.abort
+    assert "rank 1: 3 spares in a row (s0.1, s0.2, s0.3) failed before their generation caught up" in plan.abort
 
 
-def test_a_spare_carried_into_a_later_generation_that_formed_took_its_rank():
-    """Its first generation never formed (another rank died while it formed), the next one did:
+def test_a_spare_that_lived_past_the_successor_wait_took_its_rank():
+    """A loop that never reports catching up (or a long replay): a promoted spare that lived
+    ``successor_wait_s`` is not a failed takeover, so its failures never stop the job."""
+    store, fail_and_plan = _coordinator_with_spares(6, successor_wait_s=0.0)
+    assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
+    for g, (dead, spare) in enumerate([("s0.0", "s0.1"), ("s0.1", "s0.2"), ("s0.2", "s0.3"),
+                                       ("s0.3", "s0.4")], start=2):
+        plan = fail_and_plan(dead, 1, g)
+        assert not plan.abort and plan.replaced == {"1": spare}, plan
+
+
+def test_a_spare_carried_into_a_later_generation_that_caught_up_took_its_rank():
+    """Its first generation never caught up (another rank died while it formed), the next one did:
     when that spare fails later, it is not a failed takeover (the count stays below the stop)."""
     store, fail_and_plan = _coordinator_with_spares(6)
     assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
     assert fail_and_plan("a2", 2, 2).replaced == {"2": "s0.1"}  # generation 1 never formed
-    for r in range(4):
-        store.set(f"gen/2/arrived/{r}", "1")  # s0.0 is in generation 2, which formed
+    store.set("caught_up/2", "3")  # s0.0 is in generation 2, which caught up
     assert fail_and_plan("s0.0", 1, 3).replaced == {"1": "s0.2"}  # not a failed takeover
     assert fail_and_plan("s0.2", 1, 4).replaced == {"1": "s0.3"}  # 1
     assert fail_and_plan("s0.3", 1, 5).replaced == {"1": "s0.4"}  # 2: still going

@@ -19,9 +19,9 @@ from . import control
 
 
 MAX_FAILED_TAKEOVERS = 3
-"""Spares in a row that may fail to take one rank (each before its generation formed) before the
-job stops: one that fails at every takeover (a bug in the rank's build, a broken node) would
-otherwise be replaced by its successor, and that by its own, for ever."""
+"""Spares in a row that may fail to take one rank (each before its generation caught up) before
+the job stops: one that fails at every takeover (a bug in the rank's build or restore, a broken
+node) would otherwise be replaced by its successor, and that by its own, for ever."""
 
 
 def _log(msg: str) -> None:
@@ -61,8 +61,8 @@ class Coordinator:
         self._alarmed: set[int] = set()  # generations whose workers were told that it failed
         self._alarm_at: dict[int, float] = {}  # a failed generation -> when, until its members were checked
         self._failed: set[str] = set()  # workers a launcher reported failed
-        self._promoted: dict[str, tuple[int, int]] = {}  # spare -> (rank, generation) it was promoted to
-        self._failed_takeovers: dict[int, list[str]] = {}  # rank -> its spares, in a row, that failed to join
+        self._promoted: dict[str, tuple[int, int, float]] = {}  # spare -> (rank, generation, when) it was promoted
+        self._failed_takeovers: dict[int, list[str]] = {}  # rank -> its spares, in a row, whose takeover failed
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -156,7 +156,7 @@ class Coordinator:
         repeated = {r: w for r, w in self._failed_takeovers.items() if r in dead and len(w) >= MAX_FAILED_TAKEOVERS}
         if repeated:
             reason = "; ".join(
-                f"rank {r}: {len(w)} spares in a row ({', '.join(w)}) failed before their generation formed" for r, w
+                f"rank {r}: {len(w)} spares in a row ({', '.join(w)}) failed before their generation caught up" for r, w
                 in sorted(repeated.items())) + (" (a spare cannot take this rank: see those workers' logs; a spare "
                                                "that fails the same way each time is not a transient fault)")
             plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
@@ -179,7 +179,8 @@ class Coordinator:
             self._spares = [s for s in self._spares if s[0] not in choice.values()]
             plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
                                 failures=[dataclasses.asdict(f) for f in failures], failures_read=self._fail_read)
-            self._promoted.update({w: (r, g) for r, w in choice.items()})
+            now = time.monotonic()
+            self._promoted.update({w: (r, g, now) for r, w in choice.items()})
             _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
         self._alarm()  # (already done when a failure or a report came in)
         self.store.set(f"plan/{g}", plan.to_json())
@@ -189,19 +190,25 @@ class Coordinator:
             control.wake(self.store, wid)
 
     def _count_takeover(self, failure: control.Failure) -> None:
-        """A promoted spare that fails before its generation formed (every rank arrived) failed its
-        takeover; one that fails after it is counted as any failure, and its rank starts over."""
+        """A promoted spare that fails before its generation caught up (rank 0 back at the step the
+        failure interrupted: ``caught_up/<g>``) failed its takeover, whether it died in its build,
+        at the rendezvous or in its restore. One that fails later is counted as any failure, and
+        its rank starts over; so is one that lived ``successor_wait_s`` (the launchers' own bound
+        for that signal: a loop that never writes it, or a long replay)."""
         promoted = self._promoted.pop(failure.worker, None)
         if promoted is None:
             return
-        rank, g = promoted
+        rank, g, since = promoted
+        if time.monotonic() - since >= self.spec.successor_wait_s:
+            self._failed_takeovers.pop(rank, None)
+            return
         # The generation it was promoted to, or a later one it was carried into (its first was
-        # superseded while it formed: another failure), formed: the takeover itself went through.
+        # superseded: another failure), caught up: the takeover itself went through.
         for gg in range(g, self.generation + 1):
             plan = self._plan_of(gg)
             if plan.abort or failure.worker not in plan.workers.values():
                 break
-            if self.store.check([f"gen/{gg}/arrived/{r}" for r in range(plan.world_size)]):
+            if self.store.check([control.caught_up_key(gg)]):
                 self._failed_takeovers.pop(rank, None)
                 return
         self._failed_takeovers.setdefault(rank, []).append(failure.worker)
