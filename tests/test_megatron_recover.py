@@ -19,11 +19,11 @@ WORKER = os.path.join(WORKERS, "megatron_recover.py")
 ITERS = 5
 
 
-def run(out, kill="none", spares=1, keeper=True, ckpt_every=0, tp=1, gloo_groups=False):
+def run(out, kill="none", spares=1, keeper=True, ckpt_every=0, tp=1, gloo_groups=False, vp=1):
     out.mkdir(parents=True)
     code = launch.run(launch.LaunchSpec(script=[WORKER, str(out), str(ITERS), kill, str(ckpt_every)], nproc_per_node=4,
                                         logical_nodes=2, spares_per_node=spares, keeper=keeper, stall_grace_s=2.0,
-                                        extra_env={"OMP_NUM_THREADS": "1", "HS_TEST_TP": str(tp),
+                                        extra_env={"OMP_NUM_THREADS": "1", "HS_TEST_TP": str(tp), "HS_TEST_VP": str(vp),
                                                    "HS_TEST_GLOO_GROUPS": "1" if gloo_groups else "0"}))
     results = {}
     for path in glob.glob(str(out / "*.json")):
@@ -70,18 +70,20 @@ def test_a_pipeline_rank_killed_mid_iteration_is_replaced_in_place_bitwise(kill,
         assert b["dead_groups_held"] == [], f"rank {rank}: modules hold destroyed groups"
 
 
-@pytest.mark.slow  # ~50 s with its own reference run
-def test_a_tensor_parallel_rank_killed_mid_iteration_is_replaced_bitwise(tmp_path, no_leaks):
+@pytest.mark.slow  # ~50 s each with its own reference run
+@pytest.mark.parametrize("vp,kill", [(1, "1:2:1:forward"), (2, "1:2:5:forward")], ids=["tp2", "tp2-interleaved"])
+def test_a_tensor_parallel_rank_killed_mid_iteration_is_replaced_bitwise(vp, kill, tmp_path, no_leaks):
     """PP=2 x TP=2 x DP=1: the tensor-parallel groups have two members, so the rebuild makes
     them anew for real (with TP=1 they are single ranks). Rank 1 (first stage, second
-    tensor-parallel rank: its slice of every layer exists nowhere else) is killed in the forward
-    of microbatch 1; the spare restores it from its peer copy, and the run ends bitwise
-    identical to one that never failed."""
-    code, ref = run(tmp_path / "ref", spares=0, keeper=False, tp=2)
+    tensor-parallel rank: its slice of every layer exists nowhere else) is killed in a forward
+    (the second microbatch; with a virtual pipeline of 2, the interleaved schedule's sixth
+    forward, in the stage's second chunk); the spare restores it from its peer copy, and the
+    run ends bitwise identical to one that never failed."""
+    code, ref = run(tmp_path / "ref", spares=0, keeper=False, tp=2, vp=vp)
     assert code == 0 and sorted(ref) == [0, 1, 2, 3]
-    assert {(r["pp"], r["tp"], r["tp_size"], r["dp"]) for r in ref.values()} == \
-        {(0, 0, 2, 0), (0, 1, 2, 0), (1, 0, 2, 0), (1, 1, 2, 0)}
-    code, got = run(tmp_path / "hit", kill="1:2:1:forward", keeper=False, tp=2)
+    assert {(r["pp"], r["tp"], r["tp_size"], r["dp"], r["chunks"]) for r in ref.values()} == \
+        {(0, 0, 2, 0, vp), (0, 1, 2, 0, vp), (1, 0, 2, 0, vp), (1, 1, 2, 0, vp)}
+    code, got = run(tmp_path / "hit", kill=kill, keeper=False, tp=2, vp=vp)
     assert code == 0 and sorted(got) == [0, 1, 2, 3]
     assert got[1]["spare"] and (got[1]["pp"], got[1]["tp"]) == (0, 1)
     for rank in range(4):

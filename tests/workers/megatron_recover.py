@@ -1,5 +1,5 @@
 """Worker for tests/test_megatron_recover.py: the megatron-core GPT of mcore_gpt.py (PP=2 x DP=2,
-or PP=2 x TP=2 with HS_TEST_TP=2; 1F1B, 4 microbatches, distributed Adam) trained through hotspare.integrations.megatron under
+or PP=2 x TP=2 with HS_TEST_TP=2, interleaved over 2 virtual stages with HS_TEST_VP=2; 1F1B, 4 microbatches, distributed Adam) trained through hotspare.integrations.megatron under
 hotspare-run; one rank SIGKILLs itself mid-iteration.
 
 Usage: megatron_recover.py OUT ITERS KILL [CKPT_EVERY], KILL = 'none' or comma-separated
@@ -34,6 +34,9 @@ from hotspare_patches import megatron_core_cpu
 STALE = [0]
 TP = int(os.environ.get("HS_TEST_TP", "1"))
 """Tensor-parallel size (HS_TEST_TP): 2 makes the 4 ranks PP=2 x TP=2 x DP=1."""
+VP = int(os.environ.get("HS_TEST_VP", "1"))
+"""Virtual pipeline size (HS_TEST_VP): 2 gives each stage two chunks of one layer, run by the
+interleaved 1F1B schedule."""
 GLOO_GROUPS = os.environ.get("HS_TEST_GLOO_GROUPS") == "1"
 """megatron-core's extra gloo data-parallel groups for the distributed optimizer
 (``use_gloo_process_groups``, its default on a GPU install)."""
@@ -68,6 +71,7 @@ def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
         config["checkpoint"] = {"dir": os.path.join(out, "ckpt"), "every": ckpt_every, "keep": 2}
     session = megatron.initialize(lambda: mcore_gpt.build(gloo_groups=GLOO_GROUPS), config,
                                   pipeline_model_parallel_size=mcore_gpt.PP, tensor_model_parallel_size=TP,
+                                  virtual_pipeline_model_parallel_size=VP if VP > 1 else None,
                                   create_gloo_process_groups=GLOO_GROUPS)
     rank = session.generation.rank
     microbatch = [0]
@@ -117,7 +121,7 @@ def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
 
     result = {"rank": rank, "worker": worker_id(), "spare": session.spare, "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
-              "tp_size": ps.get_tensor_model_parallel_world_size(), "losses": losses, "state": mcore_gpt.state_digest(session.optimizer),
+              "tp_size": ps.get_tensor_model_parallel_world_size(), "chunks": len(session.model), "losses": losses, "state": mcore_gpt.state_digest(session.optimizer),
               "sched_steps": session.scheduler.num_steps, "iteration": session.state.iteration,
               "recoveries": session.recoveries, "stale_group_calls": STALE[0],
               "dead_groups_held": dead_groups_held()}

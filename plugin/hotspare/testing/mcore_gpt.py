@@ -48,7 +48,11 @@ def samples_per_iteration(t: MegatronTrain) -> int:
 
 def build(model_cfg: GPTConfig, t: MegatronTrain, gloo_groups: bool = False):
     """(model chunks, optimizer, scheduler) of this rank's pipeline stage; seeds every generator
-    first (Megatron-LM's per-stage seed), so a spare builds what the rank it takes built."""
+    first (Megatron-LM's per-stage seed), so a spare builds what the rank it takes built.
+
+    With a virtual pipeline (``initialize_model_parallel(virtual_pipeline_model_parallel_size=V)``)
+    the stage is V chunks, one per virtual stage, for the interleaved 1F1B schedule; only the
+    first chunk's DDP buckets its gradients (Megatron-LM's convention)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -65,27 +69,35 @@ def build(model_cfg: GPTConfig, t: MegatronTrain, gloo_groups: bool = False):
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     on_gpu = torch.cuda.is_available()
+    virtual = ps.get_virtual_pipeline_model_parallel_world_size()
     cfg = TransformerConfig(num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
                             num_attention_heads=model_cfg.num_heads, ffn_hidden_size=4 * model_cfg.hidden_size,
                             hidden_dropout=model_cfg.dropout, attention_dropout=model_cfg.dropout,
                             pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                            virtual_pipeline_model_parallel_size=virtual,
                             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                             pipeline_dtype=torch.float32, params_dtype=torch.float32,
                             use_cpu_initialization=not on_gpu, bias_activation_fusion=False,
                             bias_dropout_fusion=False, masked_softmax_fusion=False,
                             gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                             deterministic_mode=True)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=model_cfg.vocab_size,
-                     max_sequence_length=model_cfg.seq_len, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True,
-                     position_embedding_type="learned_absolute")
-    if on_gpu:
-        model.cuda(torch.cuda.current_device())
-    model = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
-        overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=t.bucket_size))
+    chunks = []
+    for vp_stage in range(virtual or 1):
+        vp = None if virtual is None else vp_stage
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
+                         vocab_size=model_cfg.vocab_size, max_sequence_length=model_cfg.seq_len,
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                         share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
+                         vp_stage=vp)
+        if on_gpu:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=t.bucket_size),
+            disable_bucketing=vp_stage > 0))
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
-        clip_grad=t.grad_clip, use_distributed_optimizer=True, params_dtype=torch.float32), [model],
+        clip_grad=t.grad_clip, use_distributed_optimizer=True, params_dtype=torch.float32), chunks,
         use_gloo_process_groups=gloo_groups)
     samples = samples_per_iteration(t)
     sched = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
@@ -94,9 +106,9 @@ def build(model_cfg: GPTConfig, t: MegatronTrain, gloo_groups: bool = False):
                                     lr_decay_style="linear", start_wd=t.weight_decay, end_wd=t.weight_decay,
                                     wd_incr_steps=max(t.decay_steps, 1) * samples, wd_incr_style="constant")
     cfg.finalize_model_grads_func = finalize_model_grads
-    cfg.no_sync_func = model.no_sync
+    cfg.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
     cfg.grad_scale_func = optimizer.scale_loss
-    return [model], optimizer, sched
+    return chunks, optimizer, sched
 
 
 def forward_step(data: Iterator, model):
@@ -119,13 +131,17 @@ def train_iteration(model: list, optimizer, sched, batches: Iterator, t: Megatro
                     forward: Callable = forward_step, before_step: Callable[[], None] | None = None) -> float | None:
     """One iteration (every microbatch, the optimizer and scheduler step); returns the mean
     per-token loss on the last pipeline stage, None on the others. ``before_step`` runs after
-    the last backward, before the optimizer step."""
+    the last backward, before the optimizer step. With several chunks (a virtual pipeline) each
+    chunk reads the microbatches from an iterator of its own."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    if len(model) > 1:  # interleaved: each chunk reads every microbatch from an iterator of its own
+        items = list(batches)
+        batches = [iter(items) for _ in model]
     reduced = get_forward_backward_func()(forward_step_func=forward, data_iterator=batches, model=model,
                                           num_microbatches=t.microbatches, seq_length=seq_len,
                                           micro_batch_size=t.micro_batch, forward_only=False)
