@@ -44,11 +44,21 @@ class ParallelConfig:
     (hotspare-run ``--successor-wait-s``: it starts once the generation caught up; 0: at once)."""
     pipeline_stages: int = 1
     """megatron only: pipeline-parallel size (the model's layers split into this many stages)."""
+    tensor_parallel: int = 1
+    """megatron only: tensor-parallel size (each layer's weights split across this many ranks)."""
+    virtual_stages: int = 1
+    """megatron only: virtual pipeline size (each stage holds this many chunks of layers, run by
+    the interleaved 1F1B schedule; 1: plain 1F1B)."""
 
     def __post_init__(self) -> None:
-        if self.pipeline_stages < 1 or self.num_ranks % self.pipeline_stages:
-            raise ValueError(f"parallel.pipeline_stages={self.pipeline_stages} must divide "
-                             f"parallel.num_ranks={self.num_ranks}")
+        for key in ("pipeline_stages", "tensor_parallel", "virtual_stages"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"parallel.{key}={getattr(self, key)} must be at least 1")
+        if self.num_ranks % (self.pipeline_stages * self.tensor_parallel):
+            raise ValueError(f"parallel.pipeline_stages={self.pipeline_stages} x parallel.tensor_parallel="
+                             f"{self.tensor_parallel} must divide parallel.num_ranks={self.num_ranks}")
+        if self.virtual_stages > 1 and self.pipeline_stages < 2:
+            raise ValueError(f"parallel.virtual_stages={self.virtual_stages} needs parallel.pipeline_stages >= 2")
         if self.spares_per_node < 0:
             raise ValueError(f"parallel.spares_per_node={self.spares_per_node} must be >= 0")
         if self.successor_wait_s < 0:
@@ -137,16 +147,27 @@ class GPTJobConfig:
 
     def __post_init__(self) -> None:
         check_choice("framework", self.framework, FRAMEWORKS)
-        if self.framework == "deepspeed" and self.parallel.pipeline_stages != 1:
-            raise ValueError(f"parallel.pipeline_stages={self.parallel.pipeline_stages}: pipeline stages are the "
-                             f"megatron path's (framework=megatron); DeepSpeed runs ZeRO data parallelism")
+        if self.framework == "deepspeed":
+            for key in ("pipeline_stages", "tensor_parallel", "virtual_stages"):
+                if getattr(self.parallel, key) != 1:
+                    raise ValueError(f"parallel.{key}={getattr(self.parallel, key)}: model parallelism is the "
+                                     f"megatron path's (framework=megatron); DeepSpeed runs ZeRO data parallelism")
         if self.framework == "megatron":
             if self.hotspare.checkpoint.enabled:
                 raise ValueError("hotspare.checkpoint: the persistent-checkpoint fallback is DeepSpeed's only so far; "
                                  "set hotspare.checkpoint.every=0 with framework=megatron")
-            if self.model.num_layers % self.parallel.pipeline_stages:
+            p = self.parallel
+            if self.model.num_layers % (p.pipeline_stages * p.virtual_stages):
                 raise ValueError(f"model.num_layers={self.model.num_layers} must be divisible by "
-                                 f"parallel.pipeline_stages={self.parallel.pipeline_stages}")
+                                 f"parallel.pipeline_stages={p.pipeline_stages} x parallel.virtual_stages="
+                                 f"{p.virtual_stages}")
+            if self.model.num_heads % p.tensor_parallel:
+                raise ValueError(f"model.num_heads={self.model.num_heads} must be divisible by "
+                                 f"parallel.tensor_parallel={p.tensor_parallel}")
+            if p.virtual_stages > 1 and self.train.grad_accum < p.pipeline_stages:
+                raise ValueError(f"train.grad_accum={self.train.grad_accum} (microbatches per iteration) must be at "
+                                 f"least parallel.pipeline_stages={p.pipeline_stages} for the interleaved schedule "
+                                 f"(parallel.virtual_stages={p.virtual_stages})")
         f = self.fault
         if f.rank >= 0:
             if f.rank >= self.parallel.num_ranks:
@@ -229,7 +250,8 @@ def launch_spec(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, 
     run_cfg = {"model": to_mapping(job.model), "train": to_mapping(job.train), "deepspeed": ds,
                "corpus": job.corpus, "out_dir": out_dir, "fault": to_mapping(job.fault) if job.fault.rank >= 0 else None,
                "collective_timeout_s": job.parallel.collective_timeout_s, "framework": job.framework,
-               "pipeline_stages": job.parallel.pipeline_stages, **worker_options}
+               "pipeline_stages": job.parallel.pipeline_stages, "tensor_parallel": job.parallel.tensor_parallel,
+               "virtual_stages": job.parallel.virtual_stages, **worker_options}
     path = os.path.join(out_dir, "run.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(run_cfg, f, indent=1)
@@ -263,7 +285,10 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     return {
         "steps": steps, "num_ranks": len(results), "framework": results[0].get("framework", "deepspeed"),
         "zero_stage": results[0]["zero_stage"], "pipeline_stages": 1 + max(r.get("pipeline_stage", 0) for r in results),
-        # megatron: each rank counts its stage's parameters (data-parallel rank 0 of each stage adds up).
+        "tensor_parallel": 1 + max(r.get("tensor_parallel_rank", 0) for r in results),
+        "virtual_stages": max(r.get("chunks", 1) for r in results),
+        # megatron: each rank counts its stage's parameters, those replicated across tensor-parallel
+        # ranks on its first one only (data-parallel rank 0 of each stage adds up).
         "num_params": (results[0]["num_params"] if "pipeline_stage" not in results[0] else
                        sum(r["num_params"] for r in results if r["data_parallel_rank"] == 0)),
         "loss_first": statistics.fmean(mean_loss[:k]), "loss_last": statistics.fmean(mean_loss[-k:]),
@@ -274,10 +299,16 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     }
 
 
+def _megatron_layout(s: dict) -> str:
+    pp, tp, vp = s["pipeline_stages"], s.get("tensor_parallel", 1), s.get("virtual_stages", 1)
+    return (f"{pp} pipeline stages{f' ({vp} virtual each, interleaved)' if vp > 1 else ''} x "
+            f"{f'{tp} tensor-parallel x ' if tp > 1 else ''}{s['num_ranks'] // (pp * tp)} data-parallel, "
+            f"distributed optimizer")
+
+
 def print_summary(s: dict, file=sys.stdout) -> None:
     layout = (("ZeRO stage", s["zero_stage"]) if s.get("framework", "deepspeed") == "deepspeed" else
-              ("megatron-core", f"{s['pipeline_stages']} pipeline stages x {s['num_ranks'] // s['pipeline_stages']} "
-                                f"data-parallel, distributed optimizer"))
+              ("megatron-core", _megatron_layout(s)))
     rows = [("steps", s["steps"]), ("ranks", s["num_ranks"]), layout,
             ("parameters", f"{s['num_params']:,}"),
             ("loss (first/last 10%)", f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}"),

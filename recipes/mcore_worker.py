@@ -59,8 +59,11 @@ def main() -> int:
     hs = run["deepspeed"].get("hotspare") if mode != "restart" else None
     specs = run.get("faults") or []
     catalogue.arm_recovery_faults(specs, worker_id(), role(), int(os.environ.get("RANK", "-1")))
+    vp = run.get("virtual_stages", 1)
     session = megatron.initialize(lambda: mcore_gpt.build(model_cfg, t), hs,
-                                  pipeline_model_parallel_size=run["pipeline_stages"])
+                                  pipeline_model_parallel_size=run["pipeline_stages"],
+                                  tensor_model_parallel_size=run.get("tensor_parallel", 1),
+                                  virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
     from megatron.core import parallel_state as ps
 
     t_init = time.monotonic()
@@ -78,10 +81,15 @@ def main() -> int:
     tokens_per_step = dp_size * t.micro_batch * t.microbatches * model_cfg.seq_len
     # No collective between initialize and the loop: a spare returns from initialize into a job
     # whose other ranks are inside the loop already.
-    stage_params = sum(p.numel() for p in model[0].parameters())
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    # A tensor-parallel rank holds a slice of the split parameters and a copy of the others.
+    stage_params = sum(p.numel() for chunk in model for p in chunk.parameters()
+                       if tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
     if rank == 0 and not session.spare and mode == "train":
-        print(f"GPT (megatron-core) {stage_params:,} params in stage 0 | {run['pipeline_stages']} pipeline stages x {dp_size} "
-              f"data-parallel | 1F1B, {t.microbatches} microbatches | {tokens_per_step} tokens/iteration", flush=True)
+        print(f"GPT (megatron-core) {stage_params:,} params on rank 0 | {run['pipeline_stages']} pipeline stages"
+              f"{f' x {vp} virtual' if vp > 1 else ''} x {tp_size} tensor x {dp_size} data-parallel | "
+              f"{'interleaved ' if vp > 1 else ''}1F1B, {t.microbatches} microbatches | {tokens_per_step} "
+              f"tokens/iteration", flush=True)
     fault = run.get("fault") or {}
     kill_rank, kill_step = fault.get("rank", run.get("kill_rank")), fault.get("step", run.get("kill_step"))
     first = role() == "active" and not run.get("resume")
@@ -166,7 +174,8 @@ def main() -> int:
     result = {
         "rank": rank, "worker": worker_id(), "spare": session.spare, "world_size": world, "mode": mode,
         "framework": "megatron", "zero_stage": None, "pipeline_stage": ps.get_pipeline_model_parallel_rank(),
-        "data_parallel_rank": dp_rank, "steps": train["steps"], "last_stage": last_stage,
+        "data_parallel_rank": dp_rank, "tensor_parallel_rank": tp_rank, "chunks": len(model),
+        "steps": train["steps"], "last_stage": last_stage,
         "losses_hex": {str(s): float(losses[s]).hex() for s in steps if s in losses},
         "losses": [losses[s] for s in steps if s in losses], "first_step": min(losses, default=0),
         "fp32_digest": digest(shards), "optimizer_digest": digest(moments),

@@ -3,6 +3,7 @@ recipe schema. Pure Python; needs no process group."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -95,6 +96,27 @@ def test_recipe_schema_checks(tmp_path):
         from_mapping(gpt_job.GPTJobConfig, {"parallel": {"logical_nodes": 3}})
     with pytest.raises(ConfigError, match="model.hidden_size=65 is not divisible"):
         from_mapping(gpt_job.GPTJobConfig, {"model": {"hidden_size": 65}})
+    megatron = {"framework": "megatron", "parallel": {"pipeline_stages": 2}}
+    for overrides, message in [
+            ({"parallel": {"tensor_parallel": 2}}, "parallel.tensor_parallel=2: model parallelism is the megatron"),
+            ({**megatron, "parallel": {"pipeline_stages": 2, "tensor_parallel": 3}},
+             "parallel.pipeline_stages=2 x parallel.tensor_parallel=3 must divide parallel.num_ranks=4"),
+            ({**megatron, "parallel": {"pipeline_stages": 1, "virtual_stages": 2}},
+             "parallel.virtual_stages=2 needs parallel.pipeline_stages >= 2"),
+            ({**megatron, "parallel": {"pipeline_stages": 2, "virtual_stages": 2}, "model": {"num_layers": 2}},
+             "model.num_layers=2 must be divisible by parallel.pipeline_stages=2 x parallel.virtual_stages=2"),
+            ({**megatron, "parallel": {"pipeline_stages": 2, "virtual_stages": 2}, "model": {"num_layers": 4},
+              "train": {"grad_accum": 1}}, "train.grad_accum=1 (microbatches per iteration) must be at least"),
+            ({**megatron, "parallel": {"pipeline_stages": 1, "tensor_parallel": 4}, "model": {"num_heads": 2}},
+             "model.num_heads=2 must be divisible by parallel.tensor_parallel=4")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            from_mapping(gpt_job.GPTJobConfig, overrides)
+    job = from_mapping(gpt_job.GPTJobConfig, {"framework": "megatron", "model": {"num_layers": 4},
+                                              "train": {"grad_accum": 4}, "parallel": {
+        "pipeline_stages": 2, "tensor_parallel": 2, "virtual_stages": 2}})
+    assert gpt_job._megatron_layout({"pipeline_stages": 2, "tensor_parallel": 2, "virtual_stages": 2,
+                                     "num_ranks": job.parallel.num_ranks}) == \
+        "2 pipeline stages (2 virtual each, interleaved) x 2 tensor-parallel x 1 data-parallel, distributed optimizer"
     job = from_mapping(gpt_job.GPTJobConfig, {"zero": {"stage": 3, "dtype": "bf16"}})
     ds = gpt_job.deepspeed_config(job)
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True}
