@@ -200,7 +200,8 @@ def main(cfg) -> None:
     if bench.framework == "deepspeed":
         result["zero_stage"] = bench.zero.stage
     else:
-        result["pipeline_stages"] = bench.parallel.pipeline_stages
+        result.update(pipeline_stages=bench.parallel.pipeline_stages, tensor_parallel=bench.parallel.tensor_parallel,
+                      virtual_stages=bench.parallel.virtual_stages)
     in_place = [w for w in ("hotspare", "keeper", "stripe") if w in bench.ways]
     refs = {}
     identical = []
