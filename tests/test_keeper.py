@@ -23,7 +23,7 @@ def ours(job: str) -> list[str]:
     return sorted(n for n in os.listdir(keeper.SHM_DIR) if n.startswith(f"hotspare-{job}-"))
 
 
-def test_a_keeper_serves_segments_and_removes_them_when_stopped(tmp_path, no_leaks):
+def test_a_keeper_serves_segments_and_removes_them_when_stopped(tmp_path, no_leaks, capfd):
     job = f"t{os.getpid()}a"
     sock = str(tmp_path / "k.sock")
     proc = keeper.start(job, 0, sock)
@@ -40,6 +40,16 @@ def test_a_keeper_serves_segments_and_removes_them_when_stopped(tmp_path, no_lea
         assert client.stats()["bytes"] > 20000
         seg.close()
         seen.close()
+        # The same layout again: the same segment. A new one (the first step made the optimizer's
+        # state): the old segment is replaced, and the log says by how much it grew.
+        again, _, _ = client.open(1, layout_id=9, nbytes=10000, chunk_bytes=4096)
+        assert again.complete_versions() == {3: 0}
+        again.close()
+        grown, _, _ = client.open(1, layout_id=10, nbytes=3 << 20, chunk_bytes=4096)
+        assert grown.complete_versions() == {} and len(ours(job)) == 1
+        grown.close()
+        assert "rank 1's state changed layout, 0.01 -> 3.00 MiB (as when the first step makes the optimizer's " \
+               "state): its retained segment is replaced" in capfd.readouterr().err
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -166,7 +166,9 @@ class Keeper:
         if h is not None and (h.layout_id, h.nbytes, h.chunk_bytes) == (layout_id, nbytes, chunk_bytes):
             return {"ok": True, "held": asdict(h), "reused": True, "note": ""}
         if h is not None:
-            self.log(f"rank {rank}'s state changed layout: its retained segment is replaced")
+            grew = " (as when the first step makes the optimizer's state)" if nbytes > h.nbytes else ""
+            self.log(f"rank {rank}'s state changed layout, {h.nbytes / MIB:.2f} -> {nbytes / MIB:.2f} MiB{grew}: "
+                     f"its retained segment is replaced")
             self._release(rank)
         used = sum(x.size for x in self.held.values())
         note = ""
