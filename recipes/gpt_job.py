@@ -153,9 +153,6 @@ class GPTJobConfig:
                     raise ValueError(f"parallel.{key}={getattr(self.parallel, key)}: model parallelism is the "
                                      f"megatron path's (framework=megatron); DeepSpeed runs ZeRO data parallelism")
         if self.framework == "megatron":
-            if self.hotspare.checkpoint.enabled:
-                raise ValueError("hotspare.checkpoint: the persistent-checkpoint fallback is DeepSpeed's only so far; "
-                                 "set hotspare.checkpoint.every=0 with framework=megatron")
             p = self.parallel
             if self.model.num_layers % (p.pipeline_stages * p.virtual_stages):
                 raise ValueError(f"model.num_layers={self.model.num_layers} must be divisible by "
