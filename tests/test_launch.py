@@ -517,15 +517,14 @@ def test_a_worker_about_to_be_killed_as_stuck_writes_where_it_is_stuck():
     assert b"blocked_right_here" in err and b"<string>" in err, err.decode(errors="replace")
 
 
-def _coordinator_with_spares(count: int, successor_wait_s: float = 30.0):
+def _coordinator_with_spares(count: int, **spec):
     """In process, no workers: a coordinator for 4 ranks on 2 nodes, ``count`` ready spares on
     node 0, and ``fail_and_plan(wid, rank, g)``: report that failure, step until plan g is written."""
     from hotspare import control
     from hotspare.coordinator import Coordinator
 
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
-                                                 spares_per_node=4, settle_s=0.0,
-                                                 successor_wait_s=successor_wait_s))
+                                                 spares_per_node=4, settle_s=0.0, **spec))
     launcher._open_store()
     store = launcher.store
     coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
@@ -566,15 +565,25 @@ def test_a_rank_whose_spares_keep_failing_to_take_it_stops_the_job():
     assert "rank 1: 3 spares in a row (s0.1, s0.2, s0.3) failed before their generation caught up" in plan.abort
 
 
-def test_a_spare_that_lived_past_the_successor_wait_took_its_rank():
-    """A loop that never reports catching up (or a long replay): a promoted spare that lived
-    ``successor_wait_s`` is not a failed takeover, so its failures never stop the job."""
-    store, fail_and_plan = _coordinator_with_spares(6, successor_wait_s=0.0)
+def test_a_spare_that_lived_long_in_a_generation_that_formed_took_its_rank(monkeypatch):
+    """No caught_up/<g> (a loop that never reports it): a promoted spare whose generation formed
+    and that lived TAKEOVER_LIVED_S took its rank, so its failures never stop the job. One whose
+    generation never formed is counted however long it lived (a spare that dies at the
+    rendezvous's timeout on a broken node, every time)."""
+    from hotspare import coordinator
+
+    monkeypatch.setattr(coordinator, "TAKEOVER_LIVED_S", 0.0)
+    store, fail_and_plan = _coordinator_with_spares(8)
     assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
     for g, (dead, spare) in enumerate([("s0.0", "s0.1"), ("s0.1", "s0.2"), ("s0.2", "s0.3"),
                                        ("s0.3", "s0.4")], start=2):
+        for r in range(4):
+            store.set(f"gen/{g - 1}/arrived/{r}", "1")
         plan = fail_and_plan(dead, 1, g)
         assert not plan.abort and plan.replaced == {"1": spare}, plan
+    assert fail_and_plan("s0.4", 1, 6).replaced == {"1": "s0.5"}  # generation 5 never formed: 1
+    assert fail_and_plan("s0.5", 1, 7).replaced == {"1": "s0.6"}  # 2
+    assert "rank 1: 3 spares in a row (s0.4, s0.5, s0.6) failed" in fail_and_plan("s0.6", 1, 8).abort
 
 
 def test_a_spare_carried_into_a_later_generation_that_caught_up_took_its_rank():

@@ -24,6 +24,13 @@ the job stops: one that fails at every takeover (a bug in the rank's build or re
 node) would otherwise be replaced by its successor, and that by its own, for ever."""
 
 
+TAKEOVER_LIVED_S = 300.0
+"""A promoted spare whose generation formed (every rank arrived) and that then lived this long
+took its rank, even with no ``caught_up/<g>`` (a loop that never reports it, a replay of many
+iterations): its failure is counted as any failure. Not tied to ``--successor-wait-s``, which
+may be 0."""
+
+
 def _log(msg: str) -> None:
     print(f"[hotspare-run] {msg}", file=sys.stderr, flush=True)
 
@@ -63,6 +70,7 @@ class Coordinator:
         self._failed: set[str] = set()  # workers a launcher reported failed
         self._promoted: dict[str, tuple[int, int, float]] = {}  # spare -> (rank, generation, when) it was promoted
         self._failed_takeovers: dict[int, list[str]] = {}  # rank -> its spares, in a row, whose takeover failed
+        self._scope: dict[str, str] = {}  # ready spare -> control.SPARE_LOCAL or SPARE_ANY (what it said)
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -134,7 +142,7 @@ class Coordinator:
         # A spare already building its engine for a rank keeps that rank.
         kept = {r: w for r, w in self._prepared.items() if r in dead and any(s[0] == w for s in ready)}
         rest = control.choose_spares({r: n for r, n in dead.items() if r not in kept},
-                                     [s for s in ready if s[0] not in kept.values()])
+                                     [s for s in ready if s[0] not in kept.values()], self._local_only(ready))
         choice = None if rest is None else {**kept, **rest}
         g = self.generation + 1
         if choice is None and len(self._spares) >= len(dead) and \
@@ -166,8 +174,9 @@ class Coordinator:
             lost = ", ".join(f"rank {f.rank} ({describe_exit(f.code) if f.reason == 'exit' else 'hung'})"
                              for f in failures)
             per_node = max(collections.Counter(dead.values()).values())
-            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain; to survive {len(dead)} failures "
-                      f"at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
+            bound = " (on an accelerator a spare takes only a rank of its own node)" if self._local_only(ready) else ""
+            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain{bound}; to survive {len(dead)} "
+                      f"failures at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
                       f"{max(per_node, self.spec.spares_per_node + 1)}")
             plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
                                 abort=reason, failures_read=self._fail_read)
@@ -191,24 +200,23 @@ class Coordinator:
 
     def _count_takeover(self, failure: control.Failure) -> None:
         """A promoted spare that fails before its generation caught up (rank 0 back at the step the
-        failure interrupted: ``caught_up/<g>``) failed its takeover, whether it died in its build,
-        at the rendezvous or in its restore. One that fails later is counted as any failure, and
-        its rank starts over; so is one that lived ``successor_wait_s`` (the launchers' own bound
-        for that signal: a loop that never writes it, or a long replay)."""
+        failure interrupted, with a step completed: ``caught_up/<g>``) failed its takeover, whether
+        it died in its build, at the rendezvous or in its restore. One that fails later is counted
+        as any failure, and its rank starts over; so is one whose generation formed and that
+        lived ``TAKEOVER_LIVED_S`` since its promotion."""
         promoted = self._promoted.pop(failure.worker, None)
         if promoted is None:
             return
         rank, g, since = promoted
-        if time.monotonic() - since >= self.spec.successor_wait_s:
-            self._failed_takeovers.pop(rank, None)
-            return
+        lived = time.monotonic() - since >= TAKEOVER_LIVED_S
         # The generation it was promoted to, or a later one it was carried into (its first was
         # superseded: another failure), caught up: the takeover itself went through.
         for gg in range(g, self.generation + 1):
             plan = self._plan_of(gg)
             if plan.abort or failure.worker not in plan.workers.values():
                 break
-            if self.store.check([control.caught_up_key(gg)]):
+            if self.store.check([control.caught_up_key(gg)]) or (lived and self.store.check(
+                    [f"gen/{gg}/arrived/{r}" for r in range(plan.world_size)])):
                 self._failed_takeovers.pop(rank, None)
                 return
         self._failed_takeovers.setdefault(rank, []).append(failure.worker)
@@ -225,13 +233,21 @@ class Coordinator:
         if rank in self._prepared:
             return
         ready = [s for s in self._ready_spares() if s[0] not in self._prepared.values()]
-        pick = control.choose_spares({rank: self.spec.node_of_rank(rank)}, ready)
+        pick = control.choose_spares({rank: self.spec.node_of_rank(rank)}, ready, self._local_only(ready))
         if pick is None:
             return
         self._prepared[rank] = pick[rank]
         prepare = control.Prepare(rank, self.world_size, self.generation + 1, replaces)
         self.store.set(f"prepare/{pick[rank]}", json.dumps(dataclasses.asdict(prepare)))
         control.wake(self.store, pick[rank])
+
+    def _local_only(self, ready: list[tuple[str, int]]) -> set[str]:
+        """The ready spares that may take only a rank of their own node (what each said in
+        ``ready/<wid>``; read once per spare)."""
+        for wid, _ in ready:
+            if wid not in self._scope:
+                self._scope[wid] = self.store.get(f"ready/{wid}").decode()
+        return {wid for wid, _ in ready if self._scope[wid] == control.SPARE_LOCAL}
 
     def _ready_spares(self) -> list[tuple[str, int]]:
         """Registered spares that wait for an order (imports done, model built)."""

@@ -85,9 +85,11 @@ class Session:
     """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
     _reapers: list = field(default_factory=list)
     """The threads releasing the groups of generations left behind (:func:`leave`)."""
-    _catching_up: tuple[int, int] | None = None
-    """Rank 0 after a recovery: (generation, step the failure interrupted) until a step completes
-    at or past that step; then ``caught_up/<g>`` tells the launchers to start their successor spares."""
+    _catching_up: tuple[int, int, int] | None = None
+    """Rank 0 after a recovery: (generation, step the failure interrupted, step it landed on) until
+    a step of the new generation completes and the count is back at the interrupted step; then
+    ``caught_up/<g>`` tells the launchers to start their successor spares (and the coordinator
+    that the spares promoted to ``g`` took their ranks)."""
 
     def __post_init__(self) -> None:
         self._alarm_lock = threading.Lock()
@@ -154,6 +156,8 @@ class Session:
         """
         while self.step_count() < total:
             yield self.step_count()
+            if self._catching_up is not None:
+                self._note_caught_up()
 
     def resilient(self, fn: Callable) -> Callable:
         """Decorate the function that runs one training step (all its micro-batches).
@@ -179,9 +183,11 @@ class Session:
         return run
 
     def _note_caught_up(self) -> None:
-        generation, failed_at = self._catching_up
-        if self.step_count() < failed_at:
-            return  # still replaying
+        """Called after each call of the ``resilient`` function and each step ``steps`` counted:
+        a call that completed no step (another function made resilient) does not count."""
+        generation, failed_at, landed = self._catching_up
+        if self.step_count() <= landed or self.step_count() < failed_at:
+            return  # no step completed in this generation yet, or still replaying
         self._catching_up = None
         try:
             self.store.set(control.caught_up_key(generation), str(self.step_count()))
@@ -399,7 +405,7 @@ class Session:
         self.recoveries.append(summary)
         if rank == 0 and plan.replaced:
             # A spare taking rank 0 knows no failure step: its first completed step is its mark.
-            self._catching_up = (gen.index, phases.get("failed_at", -1))
+            self._catching_up = (gen.index, phases.get("failed_at", -1), version)
         self.events("resume", version=version, **phases)
         self._release_left_groups()
         log(f"rank {rank}: generation {gen.index} resumes at step {version} "

@@ -430,6 +430,9 @@ class MegatronSession(Session):
                     if not self._can_recover(exc):
                         raise
                     self.recover(exc)
+                    continue
+                if self._catching_up is not None:
+                    self._note_caught_up()  # (counted here: resilient returned before the count moved)
 
     def iteration_done(self) -> None:
         """One iteration has completed (optimizer and scheduler stepped): count it and mirror the
