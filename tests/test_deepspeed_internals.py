@@ -20,11 +20,13 @@ def test_supported_version_is_checked():
 
 
 @pytest.mark.parametrize("stage, dtype", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")])
-def test_zero_partitions_are_where_hotspare_reads_them(stage, dtype, tmp_path, no_leaks):
+def test_zero_partitions_are_where_hotspare_reads_them(stage, dtype, tmp_path, no_leaks, capfd):
     out = tmp_path / "pin.json"
     code = launch.run(launch.LaunchSpec(script=[WORKER, str(stage), dtype, str(out)], nproc_per_node=2,
                                         extra_env={"OMP_NUM_THREADS": "1"}))
     assert code == 0, "a pinned DeepSpeed internal moved: see the worker's AssertionError above"
+    off = 'hotspare is off (no "hotspare" section in the DeepSpeed config)'
+    assert (capfd.readouterr().err.count(off) == 1) == (dtype == "bf16")  # the bf16 case has no section
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
     assert 2 * result["partition_numel"] >= result["num_params"]

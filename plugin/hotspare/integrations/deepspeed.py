@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import checkpoint, env, identity
 from ..config import split_deepspeed_config, to_mapping
-from ..events import EventLog
+from ..events import EventLog, log
 from ..generation import Generation
 from ..recovery import RecoveryError
 from ..session import Session
@@ -158,6 +158,10 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
                                config=hs_config, generation=gen, store=store, heartbeat=heartbeat, spare=spare,
                                backend=backend, pin_memory=get_accelerator().device_name() != "cpu")
     if hs_config is None or not hs_config.enabled:
+        if gen.rank == 0:
+            why = 'no "hotspare" section' if hs_config is None else '"hotspare": {"enabled": false}'
+            log(f"hotspare is off ({why} in the DeepSpeed config): no mirror, keeper or recovery; "
+                f'"hotspare": {{}} turns it on with its defaults')
         return session
     session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
     session.state = DeepSpeedState(engine, data_state, load_data_state)
