@@ -57,8 +57,7 @@ class ParallelConfig:
         if self.num_ranks % (self.pipeline_stages * self.tensor_parallel):
             raise ValueError(f"parallel.pipeline_stages={self.pipeline_stages} x parallel.tensor_parallel="
                              f"{self.tensor_parallel} must divide parallel.num_ranks={self.num_ranks}")
-        if self.virtual_stages > 1 and self.pipeline_stages < 2:
-            raise ValueError(f"parallel.virtual_stages={self.virtual_stages} needs parallel.pipeline_stages >= 2")
+
         if self.spares_per_node < 0:
             raise ValueError(f"parallel.spares_per_node={self.spares_per_node} must be >= 0")
         if self.successor_wait_s < 0:
@@ -154,17 +153,20 @@ class GPTJobConfig:
                                      f"megatron path's (framework=megatron); DeepSpeed runs ZeRO data parallelism")
         if self.framework == "megatron":
             p = self.parallel
+            if p.virtual_stages > 1 and p.pipeline_stages < 2:
+                raise ValueError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pipeline_stages >= 2")
             if self.model.num_layers % (p.pipeline_stages * p.virtual_stages):
                 raise ValueError(f"model.num_layers={self.model.num_layers} must be divisible by "
                                  f"parallel.pipeline_stages={p.pipeline_stages} x parallel.virtual_stages="
                                  f"{p.virtual_stages}")
-            if self.model.num_heads % p.tensor_parallel:
-                raise ValueError(f"model.num_heads={self.model.num_heads} must be divisible by "
-                                 f"parallel.tensor_parallel={p.tensor_parallel}")
-            if p.virtual_stages > 1 and self.train.grad_accum < p.pipeline_stages:
-                raise ValueError(f"train.grad_accum={self.train.grad_accum} (microbatches per iteration) must be at "
-                                 f"least parallel.pipeline_stages={p.pipeline_stages} for the interleaved schedule "
-                                 f"(parallel.virtual_stages={p.virtual_stages})")
+            for key in ("num_heads", "vocab_size"):  # (the vocabulary: megatron-core's vocab-parallel embedding)
+                if getattr(self.model, key) % p.tensor_parallel:
+                    raise ValueError(f"model.{key}={getattr(self.model, key)} must be divisible by "
+                                     f"parallel.tensor_parallel={p.tensor_parallel}")
+            if p.virtual_stages > 1 and self.train.grad_accum % p.pipeline_stages:
+                raise ValueError(f"train.grad_accum={self.train.grad_accum} (microbatches per iteration) must be a "
+                                 f"multiple of parallel.pipeline_stages={p.pipeline_stages} for the interleaved "
+                                 f"schedule (parallel.virtual_stages={p.virtual_stages})")
         f = self.fault
         if f.rank >= 0:
             if f.rank >= self.parallel.num_ranks:

@@ -87,7 +87,7 @@ def main() -> int:
                        if tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
     if rank == 0 and not session.spare and mode == "train":
         print(f"GPT (megatron-core) {stage_params:,} params on rank 0 | {run['pipeline_stages']} pipeline stages"
-              f"{f' x {vp} virtual' if vp > 1 else ''} x {tp_size} tensor x {dp_size} data-parallel | "
+              f"{f' ({vp} virtual each)' if vp > 1 else ''} x {tp_size} tensor x {dp_size} data-parallel | "
               f"{'interleaved ' if vp > 1 else ''}1F1B, {t.microbatches} microbatches | {tokens_per_step} "
               f"tokens/iteration", flush=True)
     fault = run.get("fault") or {}

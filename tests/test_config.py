@@ -106,7 +106,10 @@ def test_recipe_schema_checks(tmp_path):
             ({**megatron, "parallel": {"pipeline_stages": 2, "virtual_stages": 2}, "model": {"num_layers": 2}},
              "model.num_layers=2 must be divisible by parallel.pipeline_stages=2 x parallel.virtual_stages=2"),
             ({**megatron, "parallel": {"pipeline_stages": 2, "virtual_stages": 2}, "model": {"num_layers": 4},
-              "train": {"grad_accum": 1}}, "train.grad_accum=1 (microbatches per iteration) must be at least"),
+              "train": {"grad_accum": 3}}, "train.grad_accum=3 (microbatches per iteration) must be a multiple of"),
+            ({"parallel": {"virtual_stages": 2}}, "parallel.virtual_stages=2: model parallelism is the megatron"),
+            ({**megatron, "parallel": {"pipeline_stages": 1, "tensor_parallel": 4}, "model": {"vocab_size": 250}},
+             "model.vocab_size=250 must be divisible by parallel.tensor_parallel=4"),
             ({**megatron, "parallel": {"pipeline_stages": 1, "tensor_parallel": 4}, "model": {"num_heads": 2}},
              "model.num_heads=2 must be divisible by parallel.tensor_parallel=4")]:
         with pytest.raises(ConfigError, match=re.escape(message)):

@@ -71,14 +71,14 @@ def test_a_pipeline_rank_killed_mid_iteration_is_replaced_in_place_bitwise(kill,
 
 
 @pytest.mark.slow  # ~50 s each with its own reference run
-@pytest.mark.parametrize("vp,kill", [(1, "1:2:1:forward"), (2, "1:2:5:forward")], ids=["tp2", "tp2-interleaved"])
+@pytest.mark.parametrize("vp,kill", [(1, "1:2:1:forward"), (2, "1:2:6:forward")], ids=["tp2", "tp2-interleaved"])
 def test_a_tensor_parallel_rank_killed_mid_iteration_is_replaced_bitwise(vp, kill, tmp_path, no_leaks):
     """PP=2 x TP=2 x DP=1: the tensor-parallel groups have two members, so the rebuild makes
     them anew for real (with TP=1 they are single ranks). Rank 1 (first stage, second
     tensor-parallel rank: its slice of every layer exists nowhere else) is killed in a forward
-    (the second microbatch; with a virtual pipeline of 2, the interleaved schedule's sixth
-    forward, in the stage's second chunk); the spare restores it from its peer copy, and the
-    run ends bitwise identical to one that never failed."""
+    (the second microbatch; with a virtual pipeline of 2, the interleaved schedule's seventh
+    forward: microbatch 2 of the stage's second chunk); the spare restores it from its peer copy,
+    and the run ends bitwise identical to one that never failed."""
     code, ref = run(tmp_path / "ref", spares=0, keeper=False, tp=2, vp=vp)
     assert code == 0 and sorted(ref) == [0, 1, 2, 3]
     assert {(r["pp"], r["tp"], r["tp_size"], r["dp"], r["chunks"]) for r in ref.values()} == \

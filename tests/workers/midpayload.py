@@ -62,9 +62,11 @@ def main(rank: int, port: int, drain_s: float, timeout_s: float) -> None:
     print(json.dumps(out), flush=True)
     # Neither exits before the other is done: an exit closes the pairs, and that would wake the
     # other end's wait (CI saw rank 0's exit at its own timeout end rank 1's wait just before its).
-    store.set(f"done/{rank}", "1")
-    store.wait([f"done/{1 - rank}"], datetime.timedelta(seconds=30))
-    os._exit(0)  # the groups' destructors would wait on the broken pairs
+    try:
+        store.set(f"done/{rank}", "1")
+        store.wait([f"done/{1 - rank}"], datetime.timedelta(seconds=30))
+    finally:  # (rank 0, the store's server, may be gone already: exit all the same, never via the destructors)
+        os._exit(0)  # the groups' destructors would wait on the broken pairs
 
 
 if __name__ == "__main__":
