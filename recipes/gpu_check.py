@@ -13,8 +13,10 @@ writes one JSON object and prints it. CI never runs this (it has no GPU); run it
   tensors, the CUDA RNG state included).
 - ``megatron``: the same round trip for a megatron-core GPTModel with the distributed optimizer
   (no CPU shim: it does nothing where CUDA is available).
-- ``nccl``: ``hotspare.sockets.abort_nccl`` aborts an NCCL group, and a new generation's group
-  is made on a new store prefix in the same process (the in-place rebuild on NCCL).
+- ``nccl``: the rank agreement (``rebuild.check_same``) on the NCCL default group, then
+  ``hotspare.sockets.abort_nccl`` aborts a subgroup and WORLD, the rebuild's walk still finds
+  both (their ranks), and a new generation's group is made on a new store prefix in the same
+  process (the in-place rebuild on NCCL).
 - ``cuda_ipc``: what a keeper's GPU tier would rest on: a keeper-like process allocates device
   memory and exports its IPC handle; a trainer process maps it, writes state, and is SIGKILLed;
   a spare process maps the same handle and reads the state back bitwise. Reports the
@@ -309,15 +311,29 @@ def check_nccl(tmp: str) -> dict:
 
     from hotspare.sockets import abort_nccl
 
+    from hotspare.rebuild import check_same, find_groups
+
     store = init_nccl(os.path.join(tmp, "abort"))
     x = torch.ones(4, device="cuda")
     dist.all_reduce(x)
+    sub = dist.new_group([0])
+    dist.all_reduce(x, group=sub)
     torch.cuda.synchronize()
+    # The rank agreement of a recovery runs on the default (NCCL) group: device tensors only.
+    check_same("layout", "the check's own text")
     group = dist.group.WORLD
     has_abort = hasattr(dist.distributed_c10d, "_abort_process_group")
     t0 = time.perf_counter()
-    abort_nccl([group])
+    abort_nccl([sub, group])
     abort_s = time.perf_counter() - t0
+    # What a survivor's recovery does next: walk its objects for the groups (their ranks).
+    found = find_groups([{"sub": sub, "world": group}])
+    if len(found) != 2:
+        raise AssertionError(f"the rebuild's walk found {len(found)} of the 2 aborted groups")
+    try:
+        dist.destroy_process_group(sub)
+    except Exception:  # noqa: BLE001 - an aborted group may refuse a clean destroy
+        pass
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - an aborted group may refuse a clean destroy
@@ -331,7 +347,8 @@ def check_nccl(tmp: str) -> dict:
     dist.destroy_process_group()
     if not ok:
         raise AssertionError("the new generation's all-reduce is wrong")
-    return {"abort_available": has_abort, "abort_s": abort_s, "new_generation_all_reduce": ok,
+    return {"abort_available": has_abort, "abort_s": abort_s, "aborted_groups_found": len(found),
+            "agreement_on_nccl": True, "new_generation_all_reduce": ok,
             "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
 
 

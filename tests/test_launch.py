@@ -596,3 +596,14 @@ def test_a_spare_carried_into_a_later_generation_that_caught_up_took_its_rank():
     assert fail_and_plan("s0.0", 1, 3).replaced == {"1": "s0.2"}  # not a failed takeover
     assert fail_and_plan("s0.2", 1, 4).replaced == {"1": "s0.3"}  # 1
     assert fail_and_plan("s0.3", 1, 5).replaced == {"1": "s0.4"}  # 2: still going
+
+
+def test_on_an_accelerator_no_spare_is_sent_to_another_nodes_rank():
+    """A spare that said it takes only its own node's ranks (``ready/<wid>`` = local: on a GPU
+    every device of another node belongs to a live rank) is not promoted to rank 3 of node 1;
+    the job stops saying why, once the spares still starting had their time."""
+    store, fail_and_plan = _coordinator_with_spares(1, store_timeout_s=0.5)
+    store.set("ready/s0.0", "local")
+    plan = fail_and_plan("a3", 3, 1)
+    assert plan.abort and not plan.replaced
+    assert "only 1 ready spare(s) remain (on an accelerator a spare takes only a rank of its own node)" in plan.abort

@@ -22,6 +22,22 @@ def test_spares_from_the_richest_node_when_the_own_node_has_none():
     assert choose_spares({5: 1}, spares) == {5: "s2.0"}
 
 
+def test_a_rank_with_a_spare_on_its_own_node_is_served_before_one_taking_a_spare_from_elsewhere():
+    # Rank 0 (node 1, no spare there) must not take node 0's only spare from rank 1 (node 0).
+    spares = [("s0.0", 0), ("s2.0", 2)]
+    assert choose_spares({0: 1, 1: 0}, spares) == {0: "s2.0", 1: "s0.0"}
+
+
+def test_on_an_accelerator_a_spare_takes_only_a_rank_of_its_own_node():
+    """A spare that said ``ready/<wid> = local`` (an accelerator: it takes the dead rank's device,
+    and every device of another node belongs to a live rank) is never sent to another node."""
+    spares = [("s0.0", 0), ("s1.0", 1)]
+    local = {"s0.0", "s1.0"}
+    assert choose_spares({3: 1}, spares, local) == {3: "s1.0"}
+    assert choose_spares({2: 1, 3: 1}, spares, local) is None  # node 0's spare cannot go
+    assert choose_spares({2: 1, 3: 1}, spares, {"s1.0"}) == {2: "s1.0", 3: "s0.0"}
+
+
 def test_plan_round_trips_and_finds_ranks():
     plan = Plan(3, 4, {"0": "a0", "1": "s1.0", "2": "a2", "3": "a3"}, replaced={"1": "s1.0"})
     again = Plan.from_json(plan.to_json())

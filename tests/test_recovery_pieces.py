@@ -298,3 +298,27 @@ def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_in
     first = landed + said.index(True)  # the count when it was first said
     assert first == max(failed_at, landed + 1), (first, said)
     assert store.get("caught_up/2") == str(first).encode() and s._catching_up is None
+
+
+ABORT = """import datetime, torch, torch.distributed as dist
+from hotspare import sockets
+from hotspare.rebuild import find_groups
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+a, b = dist.new_group([0]), dist.new_group([0])
+dist.get_backend = lambda group=None: "nccl"  # as on a GPU: every group is NCCL's
+sockets.abort_nccl([a, b, a, None, dist.group.WORLD])
+print(sorted(dist.get_process_group_ranks(g)[0] for g in (a, b)), len(find_groups([{"a": a, "b": b}])))
+"""
+
+
+def test_aborting_nccl_groups_leaves_them_registered_for_the_rebuild():
+    """torch's ``_abort_process_group`` unregisters a group, so the rebuild's walk (which asks a
+    group's ranks) raised KeyError on every NCCL survivor the alarm had reached. ``abort_nccl``
+    aborts each group's communicators and leaves them registered (torch 2.13; gloo stands in
+    for NCCL here, whose groups abort the same way)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", ABORT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[0,", "0]", "2"], proc.stdout

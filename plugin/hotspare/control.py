@@ -192,28 +192,44 @@ def current_plan(store, world_size: int) -> Plan:
     return Plan.from_json(store.get(f"plan/{g}"))
 
 
-def choose_spares(dead: Mapping[int, int], spares: Sequence[tuple[str, int]]) -> dict[int, str] | None:
+SPARE_ANY = "any"
+"""``ready/<wid>``: the spare can take a rank of any node (CPU: no device to own)."""
+SPARE_LOCAL = "local"
+"""``ready/<wid>``: the spare can take only a rank of its own node (an accelerator: it takes the
+dead rank's device, and another node's devices all belong to live ranks)."""
+
+
+def choose_spares(dead: Mapping[int, int], spares: Sequence[tuple[str, int]],
+                  local_only: frozenset[str] | set[str] = frozenset()) -> dict[int, str] | None:
     """Which spare takes which dead rank: a pure function.
 
     ``dead``: rank -> node of each failed active rank; ``spares``: (worker id, node) of each
-    ready spare, in registration order. A spare on the dead rank's own node is preferred (its
+    ready spare, in registration order; ``local_only``: spares that may take only a rank of
+    their own node (``SPARE_LOCAL``). A spare on the dead rank's own node is preferred (its
     launcher owns the rank's device and, later, its keeper); otherwise the spare of the node
-    with most spares left. Returns None when there are fewer spares than dead ranks.
+    with most spares left. Returns None when the spares cannot cover the dead ranks.
     """
     if len(spares) < len(dead):
         return None
     left = list(spares)
     out: dict[int, str] = {}
-    for rank in sorted(dead):
+    elsewhere = []
+    for rank in sorted(dead):  # every rank that has one takes a spare of its own node first
         same = [s for s in left if s[1] == dead[rank]]
         if same:
-            pick = same[0]
+            out[rank] = same[0][0]
+            left.remove(same[0])
         else:
-            count = {n: sum(1 for _, m in left if m == n) for _, n in left}
-            pick = max(left, key=lambda s: (count[s[1]], -left.index(s)))
+            elsewhere.append(rank)
+    for rank in elsewhere:
+        other = [s for s in left if s[0] not in local_only]
+        if not other:
+            return None
+        count = {n: sum(1 for _, m in left if m == n) for _, n in left}
+        pick = max(other, key=lambda s: (count[s[1]], -left.index(s)))
         out[rank] = pick[0]
         left.remove(pick)
-    return out
+    return dict(sorted(out.items()))
 
 
 def append(store, counter: str, prefix: str, value: str) -> int:

@@ -185,12 +185,21 @@ def signature(records: list[GroupRecord], world_size: int) -> str:
     return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16] + f"/{len(parts)}"
 
 
+def collective_device() -> torch.device:
+    """Where a tensor for a collective on the default group must live: NCCL takes only device
+    tensors (its process group has no CPU backend), gloo host ones."""
+    if str(dist.get_backend()) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _digests(text: str) -> list[int]:
     """Every rank's 60-bit digest of ``text``, by rank (one int64 all-gather on the default group)."""
-    local = torch.tensor([int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)], dtype=torch.int64)
+    local = torch.tensor([int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)], dtype=torch.int64,
+                         device=collective_device())
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    return [int(t) for t in gathered]
+    return [int(t.item()) for t in gathered]
 
 
 def check_signature(records: list[GroupRecord], world_size: int) -> None:

@@ -134,12 +134,42 @@ def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> int:
 
 
 def abort_nccl(groups) -> None:
-    """Abort the NCCL communicators of ``groups`` (blocked kernels return); gloo groups are skipped."""
+    """Abort the NCCL communicators of ``groups`` (blocked kernels return); gloo groups are skipped.
+
+    Each group's own ``abort()``, all inside one ``ncclGroupStart/End`` (aborting several
+    communicators one by one can deadlock them: pytorch#119797; torch brackets its own abort of
+    WORLD the same way). Not ``distributed_c10d._abort_process_group``: for a group other than
+    WORLD it also unregisters the group, so the rebuild's walk could no longer ask its ranks
+    (``get_process_group_ranks`` raises KeyError) and the recovery would die; the aborted groups
+    stay registered until the generation is left (``generation.leave`` destroys them)."""
+    import torch
     import torch.distributed as dist
 
+    nccl = []
     for group in groups:
         try:
-            if str(dist.get_backend(group)) == "nccl":
-                dist.distributed_c10d._abort_process_group(group)
+            if group is not None and group not in nccl and str(dist.get_backend(group)) == "nccl":
+                nccl.append(group)
         except (RuntimeError, ValueError, AttributeError):
             pass
+    if not nccl:
+        return
+    try:
+        first = nccl[0]._get_backend(torch.device("cuda"))
+        bracket = hasattr(first, "_group_start")
+    except (RuntimeError, AttributeError):
+        first, bracket = None, False
+    if bracket:
+        first._group_start()
+    try:
+        for group in nccl:
+            try:
+                group.abort()
+            except RuntimeError:
+                pass
+    finally:
+        if bracket:
+            try:
+                first._group_end()
+            except RuntimeError:
+                pass

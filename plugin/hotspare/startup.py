@@ -139,8 +139,9 @@ def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lamb
         control.wait_key(store, control.exited_key(replaces), cfg.recovery.rendezvous_timeout_s,
                          f"the failed worker {replaces} to exit (its device is this spare's)")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    # The dead rank's device index on its node (free now that it died). A spare on another
-    # node would need a device its launcher reserved: not built yet (CPU-only so far).
+    # The dead rank's device index on its node (free now that it died). On an accelerator the
+    # coordinator gives a spare only its own node's ranks (it said so in ready/<wid>): another
+    # node's devices all belong to live ranks.
     os.environ["LOCAL_RANK"] = str(rank % env.env_int("LOCAL_WORLD_SIZE", world))
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -160,7 +160,9 @@ def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | co
     Raises :class:`Shutdown` when the job ends first. Losing the store (the launcher died)
     raises the store's error, so an orphaned spare does not wait forever.
     """
-    store.set(f"ready/{wid}", "1")
+    # On an accelerator a spare can take only a rank of its own node: the dead rank's device is
+    # the one it will have (every device of another node belongs to a live rank).
+    store.set(f"ready/{wid}", control.SPARE_LOCAL if env.configure_accelerator() != "cpu" else control.SPARE_ANY)
     wake = control.wake_key(wid)
     while True:
         # Cleared before the checks: news written after them sets it again and ends the wait at

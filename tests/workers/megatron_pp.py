@@ -60,6 +60,9 @@ def main(out: str, iters: int, roundtrip: int = -1) -> None:
                             for v in do.optimizer.state[p].values():
                                 v.mul_(3.0)
             sched.step(12345)
+            for do in distributed_optimizers(optimizer):
+                for group in do.optimizer.param_groups:
+                    group["step"] += 100
             torch.manual_seed(999)
             # As from the keeper's device copy: the tensors from a second buffer, the metadata and
             # RNG states from the first, whose other tensors are wrecked (they must not be read).
@@ -73,9 +76,14 @@ def main(out: str, iters: int, roundtrip: int = -1) -> None:
         loss = mcore_gpt.train_iteration([model], optimizer, sched, it)
         if loss is not None:
             losses[it] = loss
+        for do in distributed_optimizers(optimizer):
+            for group in do.optimizer.param_groups:  # a per-group step count, as TE's and Apex's FusedAdam keep
+                group["step"] = group.get("step", 0) + 1
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "pp": ps.get_pipeline_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
                    "losses": losses, "state": mcore_gpt.state_digest(optimizer), "sched_steps": sched.num_steps,
+                   "group_steps": [g["step"] for do in distributed_optimizers(optimizer)
+                                   for g in do.optimizer.param_groups],
                    "redirects": megatron_core_cpu.redirects()}, f)
     dist.barrier()
     ps.destroy_model_parallel()

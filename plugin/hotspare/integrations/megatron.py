@@ -131,7 +131,16 @@ class MegatronState:
             meta["scheduler_steps"] = int(self.scheduler.num_steps)
         if self.data_state is not None:
             meta["data"] = self.data_state()
+        group_steps = [[int(g["step"]) if "step" in g else None for g in inner.param_groups]
+                       for inner in self._inner_optimizers()]
+        if any(v is not None for steps in group_steps for v in steps):
+            # Transformer Engine's and Apex's FusedAdam (megatron-core's first choice where they are
+            # installed) count steps per param group, not per parameter: the bias correction.
+            meta["group_steps"] = group_steps
         return meta
+
+    def _inner_optimizers(self) -> list:
+        return [do.optimizer for do in distributed_optimizers(self.optimizer)]
 
     def restore(self, buf: torch.Tensor, layout: Layout, tensors_from: torch.Tensor | None = None) -> None:
         """Put snapshot ``buf`` back: shards and optimizer state in place (every alias sees
@@ -237,6 +246,14 @@ class MegatronState:
             self.scheduler.step(0)  # the learning rate and weight decay of that step, into the param groups
         if "data" in meta and self.load_data_state is not None:
             self.load_data_state(meta["data"])
+        for inner, steps in zip(self._inner_optimizers(), meta.get("group_steps", [])):
+            for g, step in zip(inner.param_groups, steps):
+                if step is None:
+                    g.pop("step", None)
+                elif torch.is_tensor(g.get("step")):
+                    g["step"].fill_(step)
+                else:
+                    g["step"] = step
         self.iteration = int(meta["iteration"])
 
     def bytes_per_param(self) -> float:
@@ -470,7 +487,7 @@ class MegatronSession(Session):
             self._checkpoint_warm_up.join(timeout=120.0)  # (the save would start another one meanwhile)
             self._checkpoint_warm_up = None
         # On the default group (NCCL on GPUs: its tensors must be on the device).
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        device = rebuild.collective_device()
 
         def everywhere(flag: bool) -> bool:
             t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
@@ -636,6 +653,16 @@ def warm_up_spare() -> list[str]:
     return import_modules(LAZY_IMPORTS)
 
 
+def _use_local_device() -> None:
+    """On CUDA, make this rank's GPU (``LOCAL_RANK``) current: megatron-core builds its model, RNG
+    tracker and buffers on the current device, and the mirror's stream and the keeper's device
+    tier follow it. DeepSpeed's engine does this itself; without it every rank of a node would
+    run on GPU 0 (and a spare could not choose its device before ``initialize``: the launcher
+    gives it ``LOCAL_RANK`` only once it takes a rank)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | str | None, *,
                tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, data_state=None,
                load_data_state=None, backend: str | None = None, **parallel) -> MegatronSession:
@@ -679,9 +706,11 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
         order = await_takeover(hs, warm_up_spare, fingerprint=fp)
         store, heartbeat = order.store, order.heartbeat
         gen = Generation(order.generation - 1, order.rank, order.world_size)
+        _use_local_device()  # the rank's device (await_takeover set LOCAL_RANK), before the build
     elif dist.is_initialized():
         gen = Generation(index=0, rank=dist.get_rank(), world_size=dist.get_world_size())
     else:
+        _use_local_device()  # before the NCCL group and the model exist
         gen, store = join_from_env(backend, timeout_s, fp)
         if hs is not None and hs.enabled:
             heartbeat = heartbeat_for(hs, store)
