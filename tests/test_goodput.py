@@ -221,3 +221,24 @@ def test_the_plot_is_written(tmp_path):
                        "target={\"strategy\": \"hotspare\", \"num_gpus\": 4096, \"at_least\": 0.97}"))
     plot(rep, str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_overlapped_copy_costs_the_step_only_the_capture_or_what_outlasts_the_iteration():
+    """costs.copy_overlapped (the GPU capture as built): hotspare's seconds of protection per
+    iteration drop by exactly the copy, unique bytes / host link, less any part longer than the
+    iteration (the step waits for that); Leto-like's are unchanged."""
+    cfg = small("failures.rate_scale=0")
+    j = cfg.job
+
+    def per_iter(c, strategy="hotspare"):
+        p = plan(c, strategy, 1024)
+        return p.overhead_fraction * p.iteration_s / (1.0 - p.overhead_fraction)
+
+    copy = j.unique_bytes_per_param * j.model_params / 1024 / (j.host_link_gbs * 1e9)
+    assert 0 < copy < j.iteration_s
+    on = ["costs.copy_overlapped=true"]
+    assert per_iter(cfg) - per_iter(with_overrides(cfg, on)) == pytest.approx(copy, rel=1e-9)
+    slow = with_overrides(cfg, [f"job.host_link_gbs={j.host_link_gbs * copy / (2 * j.iteration_s)}"])
+    # The copy now takes two iterations' time: the step waits for the second.
+    assert per_iter(slow) - per_iter(with_overrides(slow, on)) == pytest.approx(j.iteration_s, rel=1e-9)
+    assert per_iter(with_overrides(cfg, on), "leto_like") == per_iter(cfg, "leto_like")

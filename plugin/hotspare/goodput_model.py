@@ -201,6 +201,12 @@ class CostModel:
     """Cold start of a node's (or one rank's) processes: imports, accelerator context, model build."""
     mirror_interference: float = 1.0
     """Share of the mirror's (or in-memory checkpoint's) network time that slows the step."""
+    copy_overlapped: bool = False
+    """hotspare only: its device-to-host copy as built on GPUs, on a stream of its own
+    (docs/gpu.md: 1 GiB cost the training thread 1.06 ms on an H200), so a step pays
+    ``measured.capture_s`` and waits for the copy only where it outlasts the iteration. False
+    (the default) charges the whole copy to every step: an upper bound that also covers the
+    copy's contention for memory and the host link, which no measurement here bounds."""
 
     def __post_init__(self) -> None:
         check_choice("costs.rebuild_growth", self.rebuild_growth, REBUILD_GROWTH)
@@ -372,7 +378,9 @@ def _in_place(model: GoodputModel, cfg: InPlaceModel, num_gpus: int, hot: bool) 
     nic, host = j.nic_gbps / 8 * GB, j.host_link_gbs * GB
     net_bytes = unique * (cfg.replicas if cfg.tier2 == "mirror" else (cfg.k + cfg.m - 1) / cfg.k)
     capture = m.capture_s + unique / host
-    per_iter = capture + c.mirror_interference * net_bytes / nic
+    # The step's own cost of the capture (the unprotected window below still runs to the copy's end).
+    stall = m.capture_s + max(0.0, unique / host - j.iteration_s) if hot and c.copy_overlapped else capture
+    per_iter = stall + c.mirror_interference * net_bytes / nic
     # The newest version is lost with the rank while its copy is still on the way to the holders;
     # the keeper is sealed right after the capture on the training thread (docs/recovery.md).
     window_p = min(1.0, (capture + net_bytes / nic) / j.iteration_s)
