@@ -149,6 +149,24 @@ def test_the_walk_records_every_reference_and_repoint_records_replaces_them_all(
             long_path = wrapper
         (found,) = rebuild.find_groups([[long_path, shared]])
         assert found.group is old and len(found.refs) == 1
+        # A group captured in the closure of a host function hung on a parameter (ZeRO-3's
+        # param.all_gather closes over its Init, whose ds_process_group the tripwire found): found
+        # and re-pointed; a closure of any other package's function is not entered.
+
+        def make(init):
+            def all_gather():
+                return init
+            return all_gather
+
+        holder = torch.nn.Linear(1, 1)
+        fn = make(old)
+        fn.__module__ = "deepspeed.runtime.zero.partition_parameters"
+        holder.weight.all_gather = fn
+        (closed,) = rebuild.find_groups([[holder]])
+        assert closed.group is old and len(closed.refs) == 1
+        closed.refs[0](new_old)  # the closure's cell
+        assert fn() is new_old
+        assert rebuild.find_groups([[make(old)]]) == []  # this test module's own function
     finally:
         dist.destroy_process_group()
 

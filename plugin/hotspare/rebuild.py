@@ -17,8 +17,10 @@ memory, DeepSpeed issue 7204), hotspare:
    old groups, and the recovery walks the host once, not twice), or by walking again
    (:func:`repoint`).
 
-The walk is bounded: it enters objects of the named host packages, containers, modules and
-parameters' attribute dicts, never tensor storage or foreign libraries.
+The walk is bounded: it enters objects of the named host packages, containers, modules,
+parameters' attribute dicts and the closures of the host packages' own functions (ZeRO-3 hangs
+functions on each parameter whose closure holds its ``Init``, and that holds a group), never
+tensor storage or foreign libraries.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ import torch
 import torch.distributed as dist
 
 HOST_PACKAGES = ("deepspeed", "hotspare", "megatron")
+CLOSURE_PACKAGES = ("deepspeed", "megatron")
+"""Whose functions' closures the walk enters (not hotspare's: its wrappers close over the
+session, whose own groups are not the host's)."""
 MAX_DEPTH = 16
 _MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})
 
@@ -39,7 +44,7 @@ _MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})
 # Values the walk never looks into, by exact type: most of what it meets (checked first, as
 # ``isinstance(x, ProcessGroup)`` goes through a Python-level metaclass check in torch 2.13).
 _LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
-                     types.FunctionType, types.MethodType, types.BuiltinFunctionType, type})
+                     types.MethodType, types.BuiltinFunctionType, type})
 _GROUP_TYPES: dict[type, bool] = {}
 
 
@@ -56,6 +61,8 @@ def _enter(obj) -> bool:
     t = type(obj)
     if t in _LEAVES:
         return False
+    if t is types.FunctionType:
+        return obj.__closure__ is not None and (obj.__module__ or "").startswith(CLOSURE_PACKAGES)
     if t in (list, tuple, dict, set, frozenset) or isinstance(obj, (list, tuple, dict, set, frozenset)):
         return True
     if isinstance(obj, torch.Tensor):
@@ -79,6 +86,13 @@ def _children(obj):
     elif isinstance(obj, (tuple, set, frozenset)):
         for v in list(obj):
             yield None, v  # immutable: no setter (repoint refuses a group held here)
+    elif type(obj) is types.FunctionType:
+        for cell in obj.__closure__:
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+            yield (lambda new, cell=cell: setattr(cell, "cell_contents", new)), value
     else:
         d = vars(obj)
         for k in sorted(d):
