@@ -263,6 +263,17 @@ def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_
                 p.wait()
         for f in logs:
             f.close()
+    if fault == "node":
+        # A lost machine's /tmp and /dev/shm go with it; the two hosts here share this machine's,
+        # so what host 1's killed keeper left there (its socket, its segments) is discarded.
+        from hotspare import keeper
+
+        left = keeper.remove_stale()
+        sock = keeper.socket_path(f"hosts{os.getpid()}", 1)
+        if os.path.exists(sock):
+            os.unlink(sock)
+            left.append(os.path.basename(sock))
+        info["host1_left"] = left
     tail = open(os.path.join(out_dir, "launcher0.log"), encoding="utf-8", errors="replace").read()[-4000:]
     return code, tail, info
 
