@@ -607,3 +607,14 @@ def test_on_an_accelerator_no_spare_is_sent_to_another_nodes_rank():
     plan = fail_and_plan("a3", 3, 1)
     assert plan.abort and not plan.replaced
     assert "only 1 ready spare(s) remain (on an accelerator a spare takes only a rank of its own node)" in plan.abort
+
+
+def test_on_an_accelerator_a_replacement_nodes_spare_takes_any_rank():
+    """A spare on a node that holds no rank (hotspare-run --spares-only on a replacement node,
+    index 2 here) has its devices free: it takes node 1's rank."""
+    from hotspare import control
+
+    store, fail_and_plan = _coordinator_with_spares(0)
+    control.append(store, control.SPARE_COUNT, "spare/", json.dumps(["s2.0", 2]))
+    store.set("ready/s2.0", "local")
+    assert fail_and_plan("a3", 3, 1).replaced == {"3": "s2.0"}

@@ -167,6 +167,9 @@ def test_the_walk_records_every_reference_and_repoint_records_replaces_them_all(
         closed.refs[0](new_old)  # the closure's cell
         assert fn() is new_old
         assert rebuild.find_groups([[make(old)]]) == []  # this test module's own function
+        lookalike = make(old)
+        lookalike.__module__ = "megatron_pp"  # a user's script: only the packages themselves count
+        assert rebuild.find_groups([[lookalike]]) == []
     finally:
         dist.destroy_process_group()
 

@@ -243,11 +243,13 @@ class Coordinator:
 
     def _local_only(self, ready: list[tuple[str, int]]) -> set[str]:
         """The ready spares that may take only a rank of their own node (what each said in
-        ``ready/<wid>``; read once per spare)."""
+        ``ready/<wid>``; read once per spare). A spare on a node that holds no rank (a replacement
+        node started with ``--spares-only``) has its devices free, and may take any node's rank."""
         for wid, _ in ready:
             if wid not in self._scope:
                 self._scope[wid] = self.store.get(f"ready/{wid}").decode()
-        return {wid for wid, _ in ready if self._scope[wid] == control.SPARE_LOCAL}
+        homes = {self.spec.node_of_rank(r) for r in range(self.world_size)}
+        return {wid for wid, node in ready if self._scope[wid] == control.SPARE_LOCAL and node in homes}
 
     def _ready_spares(self) -> list[tuple[str, int]]:
         """Registered spares that wait for an order (imports done, model built)."""

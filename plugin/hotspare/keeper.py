@@ -85,7 +85,7 @@ def _unlink_matching(shm_dir: str, doomed) -> list[str]:
             try:
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)
-            except FileNotFoundError:
+            except (FileNotFoundError, PermissionError):  # gone, or another user's (/dev/shm is sticky)
                 pass
     return removed
 

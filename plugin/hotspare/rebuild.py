@@ -56,13 +56,19 @@ def _is_group(obj) -> bool:
     return known
 
 
+def _of(module_name: str | None, packages: tuple[str, ...]) -> bool:
+    """``module_name`` is one of ``packages`` or inside one (not a user module that merely starts
+    with the same letters: ``megatron_pp``, whose wrappers may close over hotspare's session)."""
+    return (module_name or "").split(".", 1)[0] in packages
+
+
 def _enter(obj) -> bool:
     """Whether the walk looks inside ``obj``."""
     t = type(obj)
     if t in _LEAVES:
         return False
     if t is types.FunctionType:
-        return obj.__closure__ is not None and (obj.__module__ or "").startswith(CLOSURE_PACKAGES)
+        return obj.__closure__ is not None and _of(obj.__module__, CLOSURE_PACKAGES)
     if t in (list, tuple, dict, set, frozenset) or isinstance(obj, (list, tuple, dict, set, frozenset)):
         return True
     if isinstance(obj, torch.Tensor):
@@ -70,9 +76,9 @@ def _enter(obj) -> bool:
     if isinstance(obj, torch.nn.Module):
         return True
     if isinstance(obj, types.ModuleType):
-        return obj.__name__.startswith(HOST_PACKAGES)
+        return _of(obj.__name__, HOST_PACKAGES)
     mod = t.__module__ or ""
-    return mod.startswith(HOST_PACKAGES) and hasattr(obj, "__dict__")
+    return _of(mod, HOST_PACKAGES) and hasattr(obj, "__dict__")
 
 
 def _children(obj):
@@ -201,8 +207,10 @@ def signature(records: list[GroupRecord], world_size: int) -> str:
 
 def collective_device() -> torch.device:
     """Where a tensor for a collective on the default group must live: NCCL takes only device
-    tensors (its process group has no CPU backend), gloo host ones."""
-    if str(dist.get_backend()) == "nccl":
+    tensors (its process group has no CPU backend), gloo host ones ("cpu:gloo,cuda:nccl" has
+    both: the host)."""
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "cpu" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -159,9 +159,9 @@ def abort_nccl(groups) -> None:
         bracket = hasattr(first, "_group_start")
     except (RuntimeError, AttributeError):
         first, bracket = None, False
-    if bracket:
-        first._group_start()
     try:
+        if bracket:
+            first._group_start()
         for group in nccl:
             try:
                 group.abort()

@@ -653,13 +653,14 @@ def warm_up_spare() -> list[str]:
     return import_modules(LAZY_IMPORTS)
 
 
-def _use_local_device() -> None:
-    """On CUDA, make this rank's GPU (``LOCAL_RANK``) current: megatron-core builds its model, RNG
-    tracker and buffers on the current device, and the mirror's stream and the keeper's device
-    tier follow it. DeepSpeed's engine does this itself; without it every rank of a node would
-    run on GPU 0 (and a spare could not choose its device before ``initialize``: the launcher
-    gives it ``LOCAL_RANK`` only once it takes a rank)."""
-    if torch.cuda.is_available():
+def _use_local_device(backend: str) -> None:
+    """With NCCL, make this rank's GPU (``LOCAL_RANK``) current: megatron-core builds its model,
+    RNG tracker and buffers on the current device, and the mirror's stream and the keeper's
+    device tier follow it. DeepSpeed's engine does this itself; without it every rank of a node
+    would run on GPU 0 (and a spare could not choose its device before ``initialize``: the
+    launcher gives it ``LOCAL_RANK`` only once it takes a rank). With gloo (more ranks than
+    GPUs, say) the device is left as it is."""
+    if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -706,11 +707,11 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
         order = await_takeover(hs, warm_up_spare, fingerprint=fp)
         store, heartbeat = order.store, order.heartbeat
         gen = Generation(order.generation - 1, order.rank, order.world_size)
-        _use_local_device()  # the rank's device (await_takeover set LOCAL_RANK), before the build
+        _use_local_device(backend)  # the rank's device (await_takeover set LOCAL_RANK), before the build
     elif dist.is_initialized():
         gen = Generation(index=0, rank=dist.get_rank(), world_size=dist.get_world_size())
     else:
-        _use_local_device()  # before the NCCL group and the model exist
+        _use_local_device(backend)  # before the NCCL group and the model exist
         gen, store = join_from_env(backend, timeout_s, fp)
         if hs is not None and hs.enabled:
             heartbeat = heartbeat_for(hs, store)
