@@ -57,7 +57,6 @@ class ParallelConfig:
         if self.num_ranks % (self.pipeline_stages * self.tensor_parallel):
             raise ValueError(f"parallel.pipeline_stages={self.pipeline_stages} x parallel.tensor_parallel="
                              f"{self.tensor_parallel} must divide parallel.num_ranks={self.num_ranks}")
-
         if self.spares_per_node < 0:
             raise ValueError(f"parallel.spares_per_node={self.spares_per_node} must be >= 0")
         if self.successor_wait_s < 0:

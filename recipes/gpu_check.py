@@ -309,9 +309,8 @@ def check_nccl(tmp: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hotspare.sockets import abort_nccl
-
     from hotspare.rebuild import check_same, find_groups
+    from hotspare.sockets import abort_nccl
 
     store = init_nccl(os.path.join(tmp, "abort"))
     x = torch.ones(4, device="cuda")

@@ -71,6 +71,7 @@ class Coordinator:
         self._promoted: dict[str, tuple[int, int, float]] = {}  # spare -> (rank, generation, when) it was promoted
         self._failed_takeovers: dict[int, list[str]] = {}  # rank -> its spares, in a row, whose takeover failed
         self._scope: dict[str, str] = {}  # ready spare -> control.SPARE_LOCAL or SPARE_ANY (what it said)
+        self._homes = {spec.node_of_rank(r) for r in range(world_size)}  # the nodes that hold ranks
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -215,11 +216,14 @@ class Coordinator:
             plan = self._plan_of(gg)
             if plan.abort or failure.worker not in plan.workers.values():
                 break
-            if self.store.check([control.caught_up_key(gg)]) or (lived and self.store.check(
-                    [f"gen/{gg}/arrived/{r}" for r in range(plan.world_size)])):
+            if self.store.check([control.caught_up_key(gg)]) or (lived and self._formed(gg, plan.world_size)):
                 self._failed_takeovers.pop(rank, None)
                 return
         self._failed_takeovers.setdefault(rank, []).append(failure.worker)
+
+    def _formed(self, g: int, world_size: int) -> bool:
+        """Every rank of generation ``g`` arrived (``generation.arrive``'s keys)."""
+        return self.store.check([f"gen/{g}/arrived/{r}" for r in range(world_size)])
 
     def _all_accounted(self) -> bool:
         """Every worker of the current generation has failed or reported that it left it: no other
@@ -248,8 +252,7 @@ class Coordinator:
         for wid, _ in ready:
             if wid not in self._scope:
                 self._scope[wid] = self.store.get(f"ready/{wid}").decode()
-        homes = {self.spec.node_of_rank(r) for r in range(self.world_size)}
-        return {wid for wid, node in ready if self._scope[wid] == control.SPARE_LOCAL and node in homes}
+        return {wid for wid, node in ready if self._scope[wid] == control.SPARE_LOCAL and node in self._homes}
 
     def _ready_spares(self) -> list[tuple[str, int]]:
         """Registered spares that wait for an order (imports done, model built)."""
@@ -310,7 +313,7 @@ class Coordinator:
                 continue
             del self._alarm_at[g]  # one look per failed generation
             plan = self._plan_of(g)
-            if not self.store.check([f"gen/{g}/arrived/{r}" for r in range(plan.world_size)]):
+            if not self._formed(g, plan.world_size):
                 continue
             left = set(self._waiting.get(g, {}))
             for wid in sorted(set(plan.workers.values()) - left - self._failed - self._killed):

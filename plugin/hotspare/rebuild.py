@@ -120,12 +120,12 @@ def _walk(roots: Iterable, visit) -> None:
     deeper: its own group references were visited the first time), so that what lies under it
     is not cut off by the depth of the longer path that reached it first.
 
-    Closures are entered once per code object (again only at a smaller depth): ZeRO 3 hangs a dozen on each parameter, every
-    one closing over that parameter (reached anyway) and the same ``Init``. Entering each of them,
-    again at each shorter path, more than doubled the walk (31 -> 68 ms for 149 parameters;
-    45 ms entering each once). The cost: a group that only some instances of one closure
-    capture would be missed (none in DeepSpeed 0.19 or megatron-core 0.16; the recovery tests'
-    tripwire looks for any)."""
+    Closures are entered once per code object (again only at a smaller depth): ZeRO 3 hangs a
+    dozen on each parameter, every one closing over that parameter (reached anyway) and the same
+    ``Init``. Entering each of them, again at each shorter path, more than doubled the walk
+    (31 -> 68 ms for 149 parameters; 45 ms entering each once). The cost: a group that only some
+    instances of one closure capture would be missed (none in DeepSpeed 0.19 or megatron-core
+    0.16; the recovery tests' tripwire looks for any)."""
     seen: dict[int, int] = {}  # id -> the smallest depth it was entered at
     codes: dict[int, int] = {}  # code object of a closure -> the smallest depth one was entered at
 
