@@ -12,6 +12,7 @@ import os
 import pytest
 
 from hotspare import launch
+from hotspare.testing import statedigest
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "recover.py")
 WORKERS = os.path.dirname(WORKER)
@@ -60,6 +61,7 @@ def assert_bitwise(ref, got, recoveries):
         assert b["global_steps"] == STEPS
         assert b["losses"] == {k: a["losses"][k] for k in b["losses"]}, f"rank {rank}: losses differ"
         assert (b["fp32"], b["optim"]) == (a["fp32"], a["optim"]), f"rank {rank}: final state differs"
+        assert b["state"] == a["state"], f"rank {rank}: state differs in {statedigest.differences(a['state'], b['state'])}"
         assert len(b["recoveries"]) == recoveries[rank]
         assert b["threads_after_close"] == [] and b["process_group_after_close"] is False
         assert b["dead_groups_held"] == [], f"rank {rank}: objects hold destroyed groups"

@@ -55,9 +55,21 @@ def main(stage: int, dtype: str, out: str) -> None:
     engine.step()
     assert all(any(k is p for p in parts) for k in inner.state), \
         "the inner optimizer's state is no longer keyed by the fp32 partition tensors"
+    # DeepSpeed's default AdamW (no torch_adam) is FusedAdam, on CPU its fused_adam op; its step is
+    # a Python int (captured as plain state), torch's is a tensor.
+    torch_adam = ds["optimizer"]["params"].get("torch_adam", False)
+    expected = "AdamW" if torch_adam else "FusedAdam"
+    assert type(inner).__name__ == expected, f"the inner optimizer is {type(inner).__name__}, not {expected}"
+    for part in parts:
+        entries = inner.state[part]
+        assert sorted(entries) == ["exp_avg", "exp_avg_sq", "step"], f"inner state keys are {sorted(entries)}"
+        assert isinstance(entries["step"], torch.Tensor if torch_adam else int), type(entries["step"])
+    if not torch_adam:
+        for attr in ("multi_tensor_adam", "_dummy_overflow_buf", "adam_w_mode"):
+            assert hasattr(inner, attr), f"FusedAdam.{attr} is gone (hotspare.integrations.optim_state reads it)"
+    if stage == 3:
+        assert len(opt.sub_group_to_group_id) == len(parts), "ZeRO 3's sub_group_to_group_id moved"
     state = optimizer_state_tensors(engine)
-    keys = sorted({n.split(".", 1)[1] for n, _ in state})
-    assert keys == ["exp_avg", "exp_avg_sq", "step"], f"inner AdamW state keys are {keys}"
     for n, t in state:
         if not n.endswith("step"):
             part = parts[int(n.split(".")[0])]

@@ -28,6 +28,7 @@ import torch
 import hotspare
 from hotspare import faults as fault_points
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
+from hotspare.testing import statedigest
 from hotspare.testing.groups import dead_groups_held
 from hotspare.worker import worker_id
 from tiny import tiny_model_and_config
@@ -141,7 +142,7 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
         train_step(step)
     result = {"rank": rank, "worker": wid, "losses": losses, "fp32": digest(fp32_partitions(engine)),
               "optim": digest(t for _, t in optimizer_state_tensors(engine)), "global_steps": engine.global_steps,
-              "recoveries": session.recoveries, "spare": session.spare}
+              "state": statedigest.deepspeed_engine(engine), "recoveries": session.recoveries, "spare": session.spare}
     result["dead_groups_held"] = dead_groups_held()
     session.close()
     result["threads_after_close"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("hotspare"))

@@ -29,6 +29,7 @@ from ..startup import (await_takeover, default_group_timeout, heartbeat_for, imp
                        node_ranks)
 from ..snapshot import Layout, read_meta
 from ..worker import role
+from .optim_state import (NativeSteps, changed_attributes, coverage, plain_attributes,                           from_json, jsonable, plain_state, set_plain_state)
 
 __all__ = ["DeepSpeedSession", "DeepSpeedState", "default_group_timeout", "initialize", "node_ranks",
            "warm_up_spare"]
@@ -135,7 +136,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
     fp = identity.fingerprint({"deepspeed": ds_config, "hotspare": to_mapping(hs_config) if hs_config else None},
                               {"deepspeed": deepspeed.__version__})
     if spare:
-        order = await_takeover(hs_config, warm_up_spare, fp)
+        order = await_takeover(hs_config, lambda: warm_up_spare(ds_config), fp)
         store, heartbeat, plan, rank, t_order = order.store, order.heartbeat, order.plan, order.rank, order.t_order
         gen = Generation(order.generation - 1, rank, order.world_size)
     elif dist.is_initialized():
@@ -193,14 +194,42 @@ LAZY_IMPORTS = (
 )
 
 
-def warm_up_spare() -> list[str]:
+def optimizer_ops(ds_config: dict) -> list[str]:
+    """The op builders DeepSpeed loads to build the optimizer ``ds_config`` names (the choice of
+    ``DeepSpeedEngine._configure_basic_optimizer`` and ``get_optimizer_configuration``)."""
+    opt = ds_config.get("optimizer") or {}
+    kind = str(opt.get("type", "")).lower()
+    params = opt.get("params") or {}
+    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    cpu = str(offload).lower() in ("cpu", "nvme")
+    if kind in ("adam", "adamw"):
+        return [] if params.get("torch_adam") else ["CPUAdamBuilder" if cpu else "FusedAdamBuilder"]
+    if kind == "adagrad":
+        return ["CPUAdagradBuilder"] if cpu else []
+    if kind == "lion":
+        return ["CPULionBuilder" if cpu else "FusedLionBuilder"]
+    if kind == "lamb":
+        return ["FusedLambBuilder"]
+    return []
+
+
+def warm_up_spare(ds_config: dict | None = None) -> list[str]:
     """Do what a spare's engine build would do after its order and needs no rank or group: the
     lazy imports, DeepSpeed's op-compatibility probe and loading its shared-memory comm op
-    (0.15 s of ``deepspeed.init_distributed`` on CPU, measured; 0.003 s after this). Returns
-    what was missing (a DeepSpeed version that moved it: the build then does its own)."""
+    (0.15 s of ``deepspeed.init_distributed`` on CPU, measured; 0.003 s after this), and loading
+    the optimizer's op (DeepSpeed's default Adam on CPU is the ``fused_adam`` op: about 2.5 s to
+    load at the first engine build, measured). Returns what was missing (a DeepSpeed version
+    that moved it: the build then does its own)."""
     import importlib
 
     missing = import_modules(LAZY_IMPORTS)
+    from deepspeed.accelerator import get_accelerator
+
+    for name in optimizer_ops(ds_config or {}):
+        try:
+            get_accelerator().create_op_builder(name).load()
+        except Exception:  # noqa: BLE001 - the engine build then loads (or fails on) it itself
+            missing.append(name)
     try:
         ops = importlib.import_module("deepspeed.ops")
         getattr(ops, "__compatible_ops__")  # probes every op builder once (imports setuptools)
@@ -224,6 +253,8 @@ def _wrap_step(session: DeepSpeedSession) -> None:
         if engine.global_steps == before:
             return out  # a micro-step inside gradient accumulation
         mirror = session.mirror
+        if session.state.watching:
+            session.state.watch(session.generation.rank == 0)
         if mirror is not None:
             mirror.on_step(engine.global_steps, session.state.tensors, session.state.meta)
         if session.checkpoints is not None and engine.global_steps % session.config.checkpoint.every == 0:
@@ -244,6 +275,15 @@ def fp32_partitions(engine) -> list[torch.Tensor]:
     raise ValueError(f"ZeRO stage {stage} has no fp32 partition")
 
 
+def partition_groups(engine) -> list[dict]:
+    """The inner optimizer's param group each fp32 partition steps with."""
+    opt = engine.optimizer
+    groups = opt.optimizer.param_groups
+    if engine.zero_optimization_stage() == 3:
+        return [groups[opt.sub_group_to_group_id[j]] for j in range(len(opt.fp32_partitioned_groups_flat))]
+    return list(groups)
+
+
 def optimizer_state_tensors(engine) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the inner optimizer's state of this rank's partitions."""
     inner = engine.optimizer.optimizer
@@ -257,6 +297,13 @@ def optimizer_state_tensors(engine) -> list[tuple[str, torch.Tensor]]:
 
 SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+# What DeepSpeedState.watch knows: plain attributes that change from step to step and are captured
+# (the counters, the loss scaler's fields) ...
+CAPTURED_ATTRIBUTES = {"engine": set(ENGINE_COUNTERS), "loss scaler": set(SCALER_FIELDS)}
+# ... and those that do not feed the next step's result (timers, flags a step sets and resets,
+# norms kept for reporting), or that a restore resets (the interrupted step's leftovers).
+IGNORED_ATTRIBUTES: dict[str, set[str]] = {}
 
 
 class DeepSpeedState:
@@ -279,6 +326,47 @@ class DeepSpeedState:
         accel = get_accelerator()
         if accel.device_name() != "cpu":
             self._accel = accel
+        self._native = NativeSteps.of(engine.optimizer.optimizer, fp32_partitions(engine), partition_groups(engine),
+                                      accel.device_name())
+        self.watching = True
+        """True until :meth:`watch` has compared two optimizer steps."""
+        self._watched: dict | None = None
+
+    def _watched_objects(self) -> dict:
+        e = self.engine
+        objects = {"engine": e, "ZeRO optimizer": e.optimizer, "optimizer": e.optimizer.optimizer}
+        scaler = getattr(e.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            objects["loss scaler"] = scaler
+        if e.lr_scheduler is not None:
+            objects["LR scheduler"] = e.lr_scheduler
+        return objects
+
+    def watch(self, say: bool) -> list[str]:
+        """The guard against a silent wrong restore, run after the first two optimizer steps: what
+        the engine and its optimizer hold that changed between them and that the capture misses
+        (plain attributes outside what :meth:`meta` and the scheduler's state carry), and what
+        :func:`optim_state.coverage` finds in the optimizer. Logged (``say``) and returned."""
+        now = {name: plain_attributes(obj) for name, obj in self._watched_objects().items()}
+        if self._watched is None:
+            self._watched = now
+            return []
+        self.watching = False
+        problems = coverage(self.engine.optimizer.optimizer, fp32_partitions(self.engine),
+                            captured_tensor_ids={id(t) for _, t in optimizer_state_tensors(self.engine)})
+        for name, obj in self._watched_objects().items():
+            captured = CAPTURED_ATTRIBUTES.get(name, set())
+            if name == "LR scheduler":
+                captured = set(obj.state_dict())
+            for attr in changed_attributes(self._watched.get(name, {}), now[name], captured=captured,
+                                           ignored=IGNORED_ATTRIBUTES.get(name, set())):
+                problems.append(f"{name} ({type(obj).__qualname__}) attribute {attr!r} changed between two steps "
+                                f"and is not part of what hotspare captures")
+        self._watched = None
+        if say:
+            for line in problems:
+                log(f"WARNING: a recovery may not be bitwise exact: {line}")
+        return problems
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         named = [(f"fp32.{i}", p) for i, p in enumerate(fp32_partitions(self.engine))]
@@ -298,19 +386,21 @@ class DeepSpeedState:
         py_state, np_state = random.getstate(), np.random.get_state()  # each read once: this runs every step
         meta = {
             "engine": {k: int(getattr(e, k)) for k in ENGINE_COUNTERS},
-            "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in inner.param_groups],
+            "param_groups": [{k: jsonable(v) for k, v in g.items() if k != "params"} for g in inner.param_groups],
+            # Plain values of the per-partition state: FusedAdam's and CPU Adam's ``step`` is an int.
+            "optim_plain": plain_state(inner, fp32_partitions(e)),
             # The rest of the two generators' states (their words are tensors, above).
             "rng_python": {"version": py_state[0], "gauss_next": py_state[2]},
             "rng_numpy": dict(zip(("kind", "pos", "has_gauss", "cached_gaussian"),
-                                  _jsonable([np_state[i] for i in (0, 2, 3, 4)]))),
+                                  jsonable([np_state[i] for i in (0, 2, 3, 4)]))),
         }
         if e.lr_scheduler is not None:
-            meta["lr_scheduler"] = _jsonable(e.lr_scheduler.state_dict())
+            meta["lr_scheduler"] = jsonable(e.lr_scheduler.state_dict())
         scaler = getattr(e.optimizer, "loss_scaler", None)
         if scaler is not None:
-            meta["loss_scaler"] = {k: _jsonable(getattr(scaler, k)) for k in SCALER_FIELDS if hasattr(scaler, k)}
+            meta["loss_scaler"] = {k: jsonable(getattr(scaler, k)) for k in SCALER_FIELDS if hasattr(scaler, k)}
         if self.data_state is not None:
-            meta["data"] = _jsonable(self.data_state())
+            meta["data"] = jsonable(self.data_state())
         return meta
 
     def restore(self, buf: torch.Tensor, layout: Layout, tensors_from: torch.Tensor | None = None) -> None:
@@ -326,6 +416,8 @@ class DeepSpeedState:
         views = {seg.name: v for seg, v in zip(layout.segments, layout.views(buf))}
         meta = read_meta(buf, layout)
         source = views if tensors_from is None else dict(zip(views, layout.views(tensors_from)))
+        if self._native is not None:
+            self._native.prepare()
         with torch.no_grad():  # the fp32 partitions are leaves that require grad
             for name, live in self.tensors():
                 if not name.startswith("rng."):
@@ -340,6 +432,8 @@ class DeepSpeedState:
         """Load a checkpoint saved by :meth:`Session.save_checkpoint` into the engine, in place, with
         the bit16 weights re-derived (collective: every rank)."""
         self._clear_interrupted_step()
+        if self._native is not None:
+            self._native.prepare()
         path, client = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if path is None:
@@ -367,12 +461,16 @@ class DeepSpeedState:
         inner = e.optimizer.optimizer
         for group, saved in zip(inner.param_groups, meta["param_groups"]):
             for k, v in saved.items():
+                v = from_json(v)
                 group[k] = type(group[k])(v) if isinstance(group.get(k), tuple) else v
+        set_plain_state(inner, fp32_partitions(e), meta["optim_plain"])
+        if self._native is not None:
+            self._native.resync()  # after the plain state: it reads the landing step from there
         if e.lr_scheduler is not None and "lr_scheduler" in meta:
-            e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+            e.lr_scheduler.load_state_dict(from_json(meta["lr_scheduler"]))
         scaler = getattr(e.optimizer, "loss_scaler", None)
         for k, v in meta.get("loss_scaler", {}).items():
-            setattr(scaler, k, v)
+            setattr(scaler, k, from_json(v))
         if "data" in meta and self.load_data_state is not None:
             self.load_data_state(meta["data"])
 
@@ -526,21 +624,3 @@ def _reset_zero3(engine, opt) -> None:
         if hasattr(m._parameters, "_in_forward"):
             m._parameters._in_forward = False
     opt.parameter_offload.get_param_coordinator().release_backward_leftovers()
-
-
-def _jsonable(value):
-    """Python/NumPy/torch scalars and containers as JSON types; anything else is an error."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if torch.is_tensor(value) and value.numel() == 1:
-        return value.item()
-    raise TypeError(f"cannot mirror a value of type {type(value).__name__} ({value!r:.80}); unique state metadata "
-                    f"must be numbers, strings, lists or dicts")

@@ -1,0 +1,48 @@
+"""Hugging Face transformers models for tests and recipes, built from config objects only.
+
+Nothing is downloaded: every model is a random initialisation of a small config of a real
+architecture family, so the code under test is transformers' own modelling code.
+- ``hf_gpt2``: GPT-2 (tied input and output embeddings, Conv1D projections, dropout on).
+- ``hf_llama``: the Llama architecture (RoPE, RMSNorm, SwiGLU MLP, untied head).
+- ``hf_opt``: OPT (learned positions with an offset, ReLU MLP, pre-LayerNorm, tied head).
+"""
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("hf_gpt2", "hf_llama", "hf_opt")
+
+
+def build(family: str, *, vocab_size: int = 256, hidden_size: int = 32, num_layers: int = 1, num_heads: int = 2,
+          seq_len: int = 16, dropout: float = 0.1) -> torch.nn.Module:
+    """A randomly initialised transformers causal LM of ``family`` (seeded by the caller)."""
+    import transformers
+
+    if family == "hf_gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=hidden_size,
+                                      n_layer=num_layers, n_head=num_heads, resid_pdrop=dropout, embd_pdrop=dropout,
+                                      attn_pdrop=dropout)
+        cls = transformers.GPT2LMHeadModel
+    elif family == "hf_llama":
+        cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                                       num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                                       num_key_value_heads=num_heads, max_position_embeddings=seq_len,
+                                       attention_dropout=dropout, tie_word_embeddings=False)
+        cls = transformers.LlamaForCausalLM
+    elif family == "hf_opt":
+        cfg = transformers.OPTConfig(vocab_size=vocab_size, hidden_size=hidden_size, ffn_dim=2 * hidden_size,
+                                     num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                                     max_position_embeddings=seq_len, word_embed_proj_dim=hidden_size,
+                                     dropout=dropout, attention_dropout=dropout)
+        cls = transformers.OPTForCausalLM
+    else:
+        raise ValueError(f"model family {family!r}: choose one of {', '.join(FAMILIES)}")
+    cfg._attn_implementation = "eager"  # the same kernels everywhere: bitwise comparisons across processes
+    model = cls(cfg)
+    model.train()
+    return model
+
+
+def loss(engine_or_model, tokens: torch.Tensor) -> torch.Tensor:
+    """The causal-LM loss of ``tokens`` (labels are the inputs; transformers shifts them)."""
+    return engine_or_model(input_ids=tokens, labels=tokens).loss
