@@ -20,14 +20,17 @@ STEPS = 6
 
 
 def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0, collective_timeout_s=30.0, keeper=True, ranks=4,
-        nodes=2, tier2="", rendezvous_timeout_s=60.0):
+        nodes=2, tier2="", rendezvous_timeout_s=60.0, case: tuple = ()):
+    """``case``: (name, value) pairs of the worker's HS_TEST_* settings (tests/workers/tiny.py): the
+    model, the optimizer, the dtype, a schedule and clipping."""
     out.mkdir(parents=True)
     code = launch.run(launch.LaunchSpec(keeper=keeper,
         script=[WORKER, str(stage), str(out), kill, str(accum), str(STEPS), str(ckpt_every)], nproc_per_node=ranks,
         logical_nodes=nodes, spares_per_node=spares, stall_grace_s=2.0,
         extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": WORKERS, "HS_TEST_TIER2": tier2,
                    "HS_TEST_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
-                   "HS_TEST_RENDEZVOUS_TIMEOUT_S": str(rendezvous_timeout_s)}))
+                   "HS_TEST_RENDEZVOUS_TIMEOUT_S": str(rendezvous_timeout_s),
+                   **{f"HS_TEST_{k.upper()}": str(v) for k, v in case}}))
     results = {}
     for path in glob.glob(str(out / "*.json")):
         r = json.loads(open(path, encoding="utf-8").read())
@@ -38,13 +41,14 @@ def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0, collective_tim
 _REFERENCE: dict = {}
 
 
-def reference(tmp_path_factory, stage, accum, ranks=4):
-    if (stage, accum, ranks) not in _REFERENCE:
+def reference(tmp_path_factory, stage, accum, ranks=4, case: tuple = ()):
+    key = (stage, accum, ranks, case)
+    if key not in _REFERENCE:
         code, results = run(tmp_path_factory.mktemp(f"ref-z{stage}-a{accum}-n{ranks}") / "out", stage, accum=accum,
-                            spares=0, ranks=ranks, nodes=ranks // 2 if ranks % 2 == 0 else ranks)
+                            spares=0, ranks=ranks, nodes=ranks // 2 if ranks % 2 == 0 else ranks, case=case)
         assert code == 0 and sorted(results) == list(range(ranks))
-        _REFERENCE[stage, accum, ranks] = results
-    return _REFERENCE[stage, accum, ranks]
+        _REFERENCE[key] = results
+    return _REFERENCE[key]
 
 
 def events(out) -> list[dict]:
@@ -284,3 +288,34 @@ def test_losing_a_whole_node_is_recovered_by_decoding_the_stripe(tmp_path, tmp_p
     assert restores[1]["source"] == "stripe" and restores[1]["sources"] == ["stripe", 0, 2], restores[1]
     (attach,) = [e for e in events(tmp_path / "out") if e["kind"] == "keeper_attach"]
     assert attach["retained"] is False  # the spare's own node's keeper never had rank 1
+
+
+# Users' models and DeepSpeed configs (issue 26): transformers families and a module with a
+# running-statistic buffer and a frozen parameter, with DeepSpeed's default optimizer, a WarmupLR
+# schedule and gradient clipping from the JSON, dropout on. make test runs GPT-2 on ZeRO 2 and the
+# buffer/frozen module; make slow the rest of the matrix.
+USERS = [
+    pytest.param(2, (("model", "hf_gpt2"), ("extras", 1)), id="z2-hf_gpt2"),
+    pytest.param(2, (("model", "stats"),), id="z2-stats"),
+    *[pytest.param(stage, (("model", model), ("extras", 1), *more), id=f"z{stage}-{model}{label}",
+                   marks=pytest.mark.slow)
+      for model in ("hf_gpt2", "hf_llama", "hf_opt") for stage in (1, 2, 3)
+      for label, more in (("", ()), ("-bf16", (("dtype", "bf16"),)), ("-torch_adam", (("optimizer", "torch_adam"),)))
+      if (stage, model, label) != (2, "hf_gpt2", "")],
+    pytest.param(1, (("model", "stats"),), id="z1-stats", marks=pytest.mark.slow),
+    pytest.param(3, (("model", "stats"),), id="z3-stats", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("stage,case", USERS)
+def test_users_models_and_configs_recover_bitwise(stage, case, tmp_path, tmp_path_factory, no_leaks):
+    """Rank 1 dies before its forward at step 2 and a spare takes it; then rank 2 dies in its
+    optimizer step at step 4 (gradient accumulation 2 for the transformers models). Every rank's
+    whole state (module, optimizer entries of any type, counters, RNG, scheduler) ends as in an
+    uninterrupted run."""
+    accum = 2 if dict(case)["model"].startswith("hf_") else 1
+    ref = reference(tmp_path_factory, stage, accum, case=case)
+    code, got = run(tmp_path / "out", stage, kill="1:2:0:forward,2:4:0:step", accum=accum, case=case)
+    assert code == 0
+    assert got[1]["spare"] and got[2]["spare"]
+    assert_bitwise(ref, got, {0: 2, 1: 2, 2: 1, 3: 2})

@@ -31,7 +31,7 @@ from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_ten
 from hotspare.testing import statedigest
 from hotspare.testing.groups import dead_groups_held
 from hotspare.worker import worker_id
-from tiny import tiny_model_and_config
+from tiny import loss_of, tiny_model_and_config
 
 
 def digest(tensors) -> str:
@@ -109,7 +109,7 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
                     out.register_hook(lambda _grad: die())
 
                 handle = engine.module.blocks[0].register_forward_hook(arm)
-            loss = engine(tokens, tokens)
+            loss = loss_of(engine, tokens)
             if phase == "mirror":
                 mirror = session.mirror
                 send, sent = mirror.transport.send, []

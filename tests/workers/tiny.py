@@ -4,7 +4,10 @@ from __future__ import annotations
 import os
 import warnings
 
+import torch
+
 from hotspare.env import make_deterministic
+from hotspare.testing import hf
 from hotspare.testing.gpt import GPT, GPTConfig
 
 
@@ -17,15 +20,61 @@ def optimizer_config(lr: float) -> dict:
     return {"type": "AdamW", "params": params}
 
 
+class Stats(torch.nn.Module):
+    """The tiny GPT plus what a user's module may hold beside its trained parameters: a buffer
+    updated in place from each rank's own data (a running statistic) that feeds the loss, and a
+    frozen parameter initialised differently in every process (DeepSpeed's start-up broadcast
+    makes rank 0's the job's; a spare must fetch it)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+        noise = torch.randn(256, generator=torch.Generator().manual_seed(os.getpid()))
+        self.frozen = torch.nn.Parameter(noise, requires_grad=False)
+        self.register_buffer("running", torch.zeros(()))
+
+    def forward(self, tokens, targets):
+        loss = self.gpt(tokens, targets)
+        with torch.no_grad():
+            self.running.mul_(0.9).add_(0.1 * loss.detach())
+        return loss * (1 + 0.01 * self.running) + 1e-3 * self.frozen[tokens].mean()
+
+
+def model_name() -> str:
+    """HS_TEST_MODEL: gpt (default; the project's tiny GPT), stats (:class:`Stats`) or a transformers
+    family of hotspare.testing.hf (hf_gpt2, hf_llama, hf_opt)."""
+    return os.environ.get("HS_TEST_MODEL", "gpt")
+
+
+def loss_of(engine, tokens):
+    if model_name().startswith("hf_"):
+        return hf.loss(engine, tokens)
+    return engine(tokens, tokens)
+
+
 def tiny_model_and_config(stage: int, lr: float = 1e-3, **extra):
-    """(model, DeepSpeed config) for a 1-layer GPT on ZeRO ``stage``; deterministic, quiet."""
+    """(model, DeepSpeed config) for a 1-layer model on ZeRO ``stage``; deterministic, quiet.
+    HS_TEST_DTYPE=bf16 trains in bf16; HS_TEST_EXTRAS=1 adds what users' configs carry: a WarmupLR
+    schedule from the JSON and gradient clipping."""
     warnings.filterwarnings("ignore")
     make_deterministic(0)
     import deepspeed
 
     deepspeed.utils.logger.setLevel("ERROR")
-    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=16))
+    name = model_name()
+    if name.startswith("hf_"):
+        model = hf.build(name, hidden_size=32, num_layers=1, num_heads=2, seq_len=16)
+    else:
+        model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_heads=2, seq_len=16))
+        if name == "stats":
+            model = Stats(model)
     ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
           "optimizer": optimizer_config(lr),
           "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000}, **extra}
+    if os.environ.get("HS_TEST_DTYPE") == "bf16":
+        ds["bf16"] = {"enabled": True}
+    if os.environ.get("HS_TEST_EXTRAS") == "1":
+        ds["gradient_clipping"] = 1.0
+        ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                          "warmup_num_steps": 4}}
     return model, ds

@@ -25,8 +25,8 @@ from ..events import EventLog, log
 from ..generation import Generation
 from ..recovery import RecoveryError
 from ..session import Session
-from ..startup import (await_takeover, default_group_timeout, heartbeat_for, import_modules, join_from_env, keeper_for,
-                       node_ranks)
+from ..startup import (await_takeover, default_group_timeout, gather_ints, heartbeat_for, import_modules,
+                       join_from_env, keeper_for, node_ranks)
 from ..snapshot import Layout, read_meta
 from ..worker import role
 from .optim_state import (NativeSteps, changed_attributes, coverage, plain_attributes,                           from_json, jsonable, plain_state, set_plain_state)
@@ -165,7 +165,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
                 f'"hotspare": {{}} turns it on with its defaults')
         return session
     session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
-    session.state = DeepSpeedState(engine, data_state, load_data_state)
+    session.state = DeepSpeedState(engine, data_state, load_data_state, spare=spare)
     session.keeper = keeper_for(hs_config, get_accelerator().device_name())
     if hs_config.checkpoint.enabled:
         session.checkpoints = engine.checkpoint_engine = checkpoint.make_engine(
@@ -275,6 +275,20 @@ def fp32_partitions(engine) -> list[torch.Tensor]:
     raise ValueError(f"ZeRO stage {stage} has no fp32 partition")
 
 
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """(qualified name, owning module, attribute) of each persistent buffer of ``module`` whose dtype a
+    snapshot can hold. Non-persistent buffers (causal masks, RoPE frequencies) are derived from the
+    config and not saved by ``state_dict`` either; :meth:`DeepSpeedState.watch` warns when one changes."""
+    from ..snapshot import DTYPES
+
+    out = []
+    for prefix, m in module.named_modules():
+        for attr, b in m._buffers.items():
+            if b is not None and attr not in m._non_persistent_buffers_set and str(b.dtype) in DTYPES:
+                out.append((f"{prefix}.{attr}" if prefix else attr, m, attr))
+    return out
+
+
 def partition_groups(engine) -> list[dict]:
     """The inner optimizer's param group each fp32 partition steps with."""
     opt = engine.optimizer
@@ -316,7 +330,7 @@ class DeepSpeedState:
     comes from a live replica.
     """
 
-    def __init__(self, engine, data_state=None, load_data_state=None):
+    def __init__(self, engine, data_state=None, load_data_state=None, spare: bool = False):
         self.engine = engine
         self.data_state = data_state
         self.load_data_state = load_data_state
@@ -328,9 +342,25 @@ class DeepSpeedState:
             self._accel = accel
         self._native = NativeSteps.of(engine.optimizer.optimizer, fp32_partitions(engine), partition_groups(engine),
                                       accel.device_name())
+        self._buffers = persistent_buffers(engine.module)
+        frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+        self._frozen_partitions = [(n, p) for n, p in frozen if hasattr(p, "ds_tensor")]
+        self._frozen_replicated = [p for _, p in frozen if not hasattr(p, "ds_tensor")]
+        self._replicas_valid = not spare
+        """Whether this rank's replicated values (frozen parameters) are the job's: a spare's come from
+        its own initialisation until the first restore fetches them from a rank whose are."""
         self.watching = True
         """True until :meth:`watch` has compared two optimizer steps."""
         self._watched: dict | None = None
+
+    def _unsaved_buffers(self) -> dict[str, int]:
+        """A CRC-32 of each buffer the capture leaves out (non-persistent, or of a dtype a snapshot
+        cannot hold), to see whether training changes one (run twice, at start-up)."""
+        import zlib
+
+        saved = {name for name, _, _ in self._buffers}
+        return {n: zlib.crc32(b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                for n, b in self.engine.module.named_buffers() if n not in saved}
 
     def _watched_objects(self) -> dict:
         e = self.engine
@@ -348,12 +378,16 @@ class DeepSpeedState:
         (plain attributes outside what :meth:`meta` and the scheduler's state carry), and what
         :func:`optim_state.coverage` finds in the optimizer. Logged (``say``) and returned."""
         now = {name: plain_attributes(obj) for name, obj in self._watched_objects().items()}
+        now["buffers"] = self._unsaved_buffers()
         if self._watched is None:
             self._watched = now
             return []
         self.watching = False
         problems = coverage(self.engine.optimizer.optimizer, fp32_partitions(self.engine),
                             captured_tensor_ids={id(t) for _, t in optimizer_state_tensors(self.engine)})
+        for buf in changed_attributes(self._watched["buffers"], now["buffers"], captured=set(), ignored=set()):
+            problems.append(f"buffer {buf!r} of the model changed between two steps and is not captured (it is "
+                            f"registered with persistent=False, or its dtype is not one a snapshot holds)")
         for name, obj in self._watched_objects().items():
             captured = CAPTURED_ATTRIBUTES.get(name, set())
             if name == "LR scheduler":
@@ -371,6 +405,10 @@ class DeepSpeedState:
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         named = [(f"fp32.{i}", p) for i, p in enumerate(fp32_partitions(self.engine))]
         named += [(f"optim.{n}", t.reshape(-1)) for n, t in optimizer_state_tensors(self.engine)]
+        # Each rank's own buffers (a running statistic is computed from the rank's own data), and
+        # under ZeRO 3 its partitions of frozen parameters (no other rank holds them).
+        named += [(f"buffer.{name}", module._buffers[attr].reshape(-1)) for name, module, attr in self._buffers]
+        named += [(f"frozen.{name}", p.ds_tensor.reshape(-1)) for name, p in self._frozen_partitions]
         named.append(("rng.torch", torch.get_rng_state()))
         if self._accel is not None:
             named.append(("rng.accelerator", self._accel.get_rng_state()))
@@ -443,6 +481,7 @@ class DeepSpeedState:
             raise RecoveryError(f"the checkpoint {path} was not saved by hotspare (no RNG states or data position "
                                 f"in its client state); resuming from it would not be the same run")
         self._apply(extras["meta"], extras["rng"])
+        self._replicas_valid = True  # DeepSpeed loaded the module's frozen parameters from the files
         self._derive_replicated()
 
     def _apply(self, meta: dict, views: dict) -> None:
@@ -537,8 +576,26 @@ class DeepSpeedState:
         self._clear_interrupted_step()
         self._derive_replicated()
 
+    def _fetch_frozen(self) -> None:
+        """ZeRO 1/2's frozen parameters from a rank whose are the job's (collective over the
+        data-parallel group; every rank calls it, and does nothing when the model has none)."""
+        if not self._frozen_replicated:
+            return
+        group = self.engine.seq_data_parallel_group
+        valid = gather_ints(int(self._replicas_valid), group)
+        if all(valid):
+            return
+        if not any(valid):
+            raise RecoveryError("no rank holds the job's frozen parameters (every rank is new); load a checkpoint")
+        src = dist.get_global_rank(group, valid.index(1))
+        for p in self._frozen_replicated:
+            dist.broadcast(p.data, src, group=group)
+        self._replicas_valid = True
+
     def _derive_replicated(self) -> None:
-        """The bit16 weights from the fp32 partitions (collective)."""
+        """The bit16 weights from the fp32 partitions, and the frozen parameters from a live replica
+        (collective)."""
+        self._fetch_frozen()
         opt = self.engine.optimizer
         if self.engine.zero_optimization_stage() in (1, 2):
             opt.update_lp_params()  # fp32 -> this rank's bit16 partition, then all-gather
