@@ -24,6 +24,7 @@ recovered three ways, in one run.
     python recipes/bench_recovery.py out=recovery.json
     python recipes/bench_recovery.py out=r.json kill_step=60 checkpoint_every=50 zero.stage=3
     python recipes/bench_recovery.py out=m.json framework=megatron
+    python recipes/bench_recovery.py out=h.json 'models=[gpt,hf_gpt2,hf_llama]' 'ways=[hotspare,keeper]'
 
 JSON: for each way ``detect_s``, ``rebuild_s``, ``restore_s``, ``recompute_s``, ``total_s``
 (fault to the moment training is back at the progress it had when the fault struck) and
@@ -34,7 +35,10 @@ JSON: for each way ``detect_s``, ``rebuild_s``, ``restore_s``, ``recompute_s``, 
 ways also write ``protect_s`` (the wait for the first mirror round after the restore: with a
 stripe only, 0 with full mirror copies) and ``plan_wait_s`` (the rest of fault-seen-to-resume:
 waiting for the coordinator's plan). All times come from one clock (CLOCK_MONOTONIC, shared by
-the processes).
+the processes). With ``models`` (a list of ``model.family`` values: the project's GPT and
+transformers families built from the same shape) the benchmark runs once per model and the JSON
+holds each model's result under ``models``, with ``total_vs_gpt`` (each in-place way's total
+over the GPT's) and the spare's ``engine_build_s`` (its engine build after the takeover order).
 """
 from __future__ import annotations
 
@@ -80,6 +84,8 @@ class BenchRecoveryConfig(gpt_job.GPTJobConfig):
     """K: the DeepSpeed baseline saves a checkpoint every K steps."""
     checkpoint_dir: str = ""
     """Where the DeepSpeed baseline's checkpoints go; empty: under the run directory."""
+    models: list[str] = field(default_factory=list)
+    """Model families to run the benchmark for, one after the other (empty: ``model.family`` only)."""
     ways: list[str] = field(default_factory=list)
     """Which ways to run (empty: every way of the framework: hotspare, keeper, stripe,
     deepspeed_restart, memory_restart; on megatron hotspare, keeper, megatron_restart,
@@ -100,6 +106,10 @@ class BenchRecoveryConfig(gpt_job.GPTJobConfig):
             raise ConfigError(f"kill_step={self.kill_step} must be in (0, train.steps={self.train.steps})")
         if self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every} must be at least 1")
+        for family in self.models:
+            dataclasses.replace(self.model, family=family)  # checks the name
+            if family != "gpt" and self.framework != "deepspeed":
+                raise ConfigError(f"models: {family} runs with framework=deepspeed only")
 
 
 gpt_job.register()
@@ -161,6 +171,8 @@ def run_hotspare(job, bench, out_dir, keeper: bool, lose_node: bool = False) -> 
             "recompute_s": back - resumed, "total_s": back - fault["t"],
             "lost_iterations": fault["step"] - version, "landing_step": version,
             "network_bytes": sum(e["bytes_in"] for e in restores),
+            "engine_build_s": max((e.get("engine_build_s", 0.0) for e in events if e["kind"] == "resume"),
+                                  default=0.0),
             "sources": sorted({e["source"] for e in restores if e["source"] != "self"})}, ranks
 
 
@@ -187,16 +199,10 @@ def run_restart(job, bench, out_dir, ckpt_dir: str, every: int) -> dict:
             "checkpoint_save_s_mean": sum(saves) / len(saves) if saves else 0.0}
 
 
-@hydra.main(version_base=None, config_path="../configs", config_name="bench_recovery")
-def main(cfg) -> None:
-    data = OmegaConf.to_container(cfg, resolve=True)
-    bench = from_mapping(BenchRecoveryConfig, data)
-    run_dir = HydraConfig.get().runtime.output_dir
-    job_data = {k: v for k, v in data.items() if k not in ("out", "kill_rank", "kill_step", "checkpoint_every",
-                                                           "checkpoint_dir", "ways")}
-    job = from_mapping(gpt_job.GPTJobConfig, job_data)
-    result = {"framework": bench.framework, "kill_rank": bench.kill_rank, "kill_step": bench.kill_step,
-              "steps": bench.train.steps, "num_ranks": bench.parallel.num_ranks}
+def bench_one(job, bench, run_dir: str) -> dict:
+    """Every way of ``bench`` on ``job``: the result's JSON object."""
+    result = {"model": job.model.family, "framework": bench.framework, "kill_rank": bench.kill_rank,
+              "kill_step": bench.kill_step, "steps": bench.train.steps, "num_ranks": bench.parallel.num_ranks}
     if bench.framework == "deepspeed":
         result["zero_stage"] = bench.zero.stage
     else:
@@ -218,7 +224,8 @@ def main(cfg) -> None:
                                           lose_node=way == "stripe")
         result[way]["num_ranks"] = key
         identical.append(len(ranks) == len(ref) and all(
-            (a["fp32_digest"], a["optimizer_digest"]) == (b["fp32_digest"], b["optimizer_digest"])
+            (a["fp32_digest"], a["optimizer_digest"], a.get("state_digest")) ==
+            (b["fp32_digest"], b["optimizer_digest"], b.get("state_digest"))
             and all(_losses(a)[k] == v for k, v in _losses(b).items()) for a, b in zip(ref, ranks)))
     if in_place:
         result["bitwise_identical"] = all(identical)
@@ -241,8 +248,42 @@ def main(cfg) -> None:
                            ("deepspeed_restart", "stripe", "stripe_speedup")):
         if base in result and way in result:
             result[key] = result[base]["total_s"] / result[way]["total_s"]
+    return result
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="bench_recovery")
+def main(cfg) -> None:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    bench = from_mapping(BenchRecoveryConfig, data)
+    run_dir = HydraConfig.get().runtime.output_dir
+    job_data = {k: v for k, v in data.items() if k not in ("out", "kill_rank", "kill_step", "checkpoint_every",
+                                                           "checkpoint_dir", "ways", "models")}
+    job = from_mapping(gpt_job.GPTJobConfig, job_data)
+    if not bench.models:
+        result = bench_one(job, bench, run_dir)
+    else:
+        result = {"models": {}}
+        for family in bench.models:
+            model_job = dataclasses.replace(job, model=dataclasses.replace(job.model, family=family))
+            result["models"][family] = bench_one(model_job, bench, os.path.join(run_dir, family))
+        gpt = result["models"].get("gpt")
+        for family, r in result["models"].items():
+            if gpt is not None:
+                r["total_vs_gpt"] = {w: r[w]["total_s"] / gpt[w]["total_s"] for w in ("hotspare", "keeper", "stripe")
+                                     if w in r and w in gpt}
+        result["bitwise_identical"] = all(r.get("bitwise_identical", True) for r in result["models"].values())
     with open(bench.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
+    for family, r in (result["models"].items() if "models" in result else [(None, result)]):
+        print_table(r, family)
+    if "models" in result:
+        print(f"bitwise_identical: {result['bitwise_identical']}")
+    print(f"wrote {bench.out}")
+
+
+def print_table(result: dict, family: str | None = None) -> None:
+    if family is not None:
+        print(f"model {family}")
     print(f"{'way':<20}{'detect':>9}{'rebuild':>9}{'restore':>9}{'recompute':>11}{'total':>9}{'lost':>6}")
     for way in WAYS:
         if way in result:
@@ -250,10 +291,9 @@ def main(cfg) -> None:
             print(f"{way:<20}{r['detect_s']:9.2f}{r['rebuild_s']:9.2f}{r['restore_s']:9.2f}{r['recompute_s']:11.2f}"
                   f"{r['total_s']:9.2f}{r['lost_iterations']:6d}")
     for key in ("speedup", "speedup_vs_memory_restart", "keeper_speedup", "keeper_speedup_vs_memory_restart",
-                "stripe_speedup", "bitwise_identical"):
+                "stripe_speedup", "total_vs_gpt", "bitwise_identical"):
         if key in result:
             print(f"{key}: {result[key]}")
-    print(f"wrote {bench.out}")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,21 @@ class ZeroConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    """Which implementation of the JSON's AdamW DeepSpeed builds."""
+
+    impl: str = "deepspeed"
+    """deepspeed: DeepSpeed's own, what a config without ``torch_adam`` gets (FusedAdam; on CPU its
+    fused_adam op); torch_adam: torch's AdamW (``"torch_adam": true``)."""
+
+    def __post_init__(self) -> None:
+        check_choice("optimizer.impl", self.impl, OPTIMIZER_IMPLS)
+
+
+OPTIMIZER_IMPLS = ("deepspeed", "torch_adam")
+
+
+@dataclass
 class TrainConfig:
     """The training loop's settings."""
 
@@ -135,6 +150,7 @@ class GPTJobConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     hotspare: HotspareConfig = field(default_factory=HotspareConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -151,6 +167,9 @@ class GPTJobConfig:
                     raise ValueError(f"parallel.{key}={getattr(self.parallel, key)}: model parallelism is the "
                                      f"megatron path's (framework=megatron); DeepSpeed runs ZeRO data parallelism")
         if self.framework == "megatron":
+            if self.model.family != "gpt":
+                raise ValueError(f"model.family={self.model.family}: framework=megatron builds megatron-core's GPTModel "
+                                 f"from the shape; the transformers families run with framework=deepspeed")
             p = self.parallel
             if p.virtual_stages > 1 and p.pipeline_stages < 2:
                 raise ValueError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pipeline_stages >= 2")
@@ -183,7 +202,7 @@ def register(name: str = "gpt_job_schema") -> None:
     cs = ConfigStore.instance()
     cs.store(name=name, node=GPTJobConfig)
     for group, node in (("model", GPTConfig), ("parallel", ParallelConfig), ("zero", ZeroConfig),
-                        ("train", TrainConfig), ("fault", FaultConfig)):
+                        ("optimizer", OptimizerConfig), ("train", TrainConfig), ("fault", FaultConfig)):
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 
@@ -203,7 +222,7 @@ def deepspeed_config(job: GPTJobConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "weight_decay": t.weight_decay, "betas": [0.9, 0.95],
-                                                  "torch_adam": True}},
+                                                  **({"torch_adam": True} if job.optimizer.impl == "torch_adam" else {})}},
         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": t.lr,
                                                           "warmup_num_steps": t.warmup_steps,
                                                           "total_num_steps": max(t.steps, t.warmup_steps + 1)}},

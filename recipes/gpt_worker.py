@@ -30,7 +30,8 @@ from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_ten
 from hotspare.snapshot import read_meta
 from hotspare.testing import digest
 from hotspare.testing.data import ByteSampler, load_corpus
-from hotspare.testing.gpt import GPT, GPTConfig
+from hotspare.testing import hf
+from hotspare.testing.gpt import GPTConfig
 from hotspare.worker import worker_id
 
 
@@ -61,16 +62,19 @@ def main() -> int:
     # torch collective names) is not the user's concern in this recipe.
     deepspeed.utils.logger.setLevel("ERROR")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    model = GPT(GPTConfig(**run["model"]))
+    model_cfg = GPTConfig(**run["model"])
+    model, loss_of = hf.model_and_loss(model_cfg)
+    num_params = sum(p.numel() for p in model.parameters())
     session = hotspare.initialize(model=model, config=run["deepspeed"], model_parameters=model.parameters(),
-                                  collective_timeout_s=run.get("collective_timeout_s", 120.0))
+                                  collective_timeout_s=run.get("collective_timeout_s", 120.0),
+                                  data_state=hotspare.STEP_INDEXED)  # ByteSampler: a batch is a function of the step
     engine = session.engine
     rank, world = session.generation.rank, session.generation.world_size
     micro_bs, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    sampler = ByteSampler(load_corpus(run.get("corpus", "")), model.cfg.seq_len, micro_bs, seed=train["seed"])
-    tokens_per_step = world * micro_bs * accum * model.cfg.seq_len
+    sampler = ByteSampler(load_corpus(run.get("corpus", "")), model_cfg.seq_len, micro_bs, seed=train["seed"])
+    tokens_per_step = world * micro_bs * accum * model_cfg.seq_len
     if rank == 0 and not session.spare:
-        print(f"GPT {model.num_params():,} params | ZeRO-{engine.zero_optimization_stage()} | {world} ranks | "
+        print(f"{model_cfg.family} {num_params:,} params | ZeRO-{engine.zero_optimization_stage()} | {world} ranks | "
               f"{tokens_per_step} tokens/step", flush=True)
 
     verify = run.get("verify_mirror", False)
@@ -95,7 +99,7 @@ def main() -> int:
                     json.dump({"t": time.monotonic(), "rank": rank, "step": step}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
             tokens, targets = sampler.batch(step * accum + micro, rank)
-            loss = engine(tokens.to(engine.device), targets.to(engine.device))
+            loss = loss_of(engine, tokens, targets)
             engine.backward(loss)
             engine.step()
         step_times[step] = time.perf_counter() - t0
@@ -149,7 +153,7 @@ def main() -> int:
         "fp32_digest": digest(fp32_partitions(engine)),
         "optimizer_digest": digest(t for _, t in optimizer_state_tensors(engine)),
         "fp32_numel": sum(p.numel() for p in fp32_partitions(engine)),
-        "num_params": model.num_params(), "tokens_per_step": tokens_per_step,
+        "num_params": num_params, "tokens_per_step": tokens_per_step,
         "step_s_median": statistics.median(step_times.values()), "total_s": sum(step_times.values()),
         "step_times": [step_times[s] for s in steps if s in step_times],
         "step_end": {str(s): t for s, t in step_end.items()},

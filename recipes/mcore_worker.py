@@ -31,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 from hotspare import faults  # noqa: E402
 from hotspare.env import make_deterministic  # noqa: E402
+import hotspare  # noqa: E402
 from hotspare.integrations import megatron  # noqa: E402
 from hotspare.testing import faults as catalogue  # noqa: E402
 from hotspare.testing import mcore_gpt  # noqa: E402
@@ -63,7 +64,8 @@ def main() -> int:
     session = megatron.initialize(lambda: mcore_gpt.build(model_cfg, t), hs,
                                   pipeline_model_parallel_size=run["pipeline_stages"],
                                   tensor_model_parallel_size=run.get("tensor_parallel", 1),
-                                  virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+                                  virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+                                  data_state=hotspare.STEP_INDEXED)
     from megatron.core import parallel_state as ps
 
     t_init = time.monotonic()

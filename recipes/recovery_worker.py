@@ -30,7 +30,8 @@ from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_ten
 from hotspare.testing import faults as catalogue  # noqa: E402
 from hotspare.testing import digest  # noqa: E402
 from hotspare.testing.data import ByteSampler, load_corpus  # noqa: E402
-from hotspare.testing.gpt import GPT, GPTConfig  # noqa: E402
+from hotspare.testing import hf, statedigest  # noqa: E402
+from hotspare.testing.gpt import GPTConfig  # noqa: E402
 from hotspare.worker import role, worker_id  # noqa: E402
 
 
@@ -45,13 +46,15 @@ def main() -> int:
 
     deepspeed.utils.logger.setLevel("ERROR")
     warnings.filterwarnings("ignore")
-    model = GPT(GPTConfig(**run["model"]))
+    model_cfg = GPTConfig(**run["model"])
+    model, loss_of = hf.model_and_loss(model_cfg)
     ds = dict(run["deepspeed"])
     if mode != "hotspare":
         ds.pop("hotspare", None)  # the baseline is DeepSpeed alone
     specs = run.get("faults") or []
     catalogue.arm_recovery_faults(specs, worker_id(), role(), int(os.environ.get("RANK", "-1")))
-    session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
+    session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters(),
+                                  data_state=hotspare.STEP_INDEXED)
     engine = session.engine
     inject = catalogue.Injector(specs, session, worker_id())
     t_init = time.monotonic()
@@ -64,7 +67,7 @@ def main() -> int:
             raise RuntimeError(f"no checkpoint under {ckpt_dir} to resume from")
         loaded_step, t_loaded = engine.global_steps, time.monotonic()
     micro_bs, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    sampler = ByteSampler(load_corpus(run.get("corpus", "")), model.cfg.seq_len, micro_bs, seed=train["seed"])
+    sampler = ByteSampler(load_corpus(run.get("corpus", "")), model_cfg.seq_len, micro_bs, seed=train["seed"])
     step_end, losses, save_s = {}, {}, []
     first = role() == "active" and not run.get("resume")
 
@@ -78,8 +81,8 @@ def main() -> int:
         for micro in range(accum):
             tokens, targets = sampler.batch(step * accum + micro, rank)
             inject.forward(step, micro)
-            inject.backward(step, micro, engine.module.blocks[0])
-            loss = engine(tokens.to(engine.device), targets.to(engine.device))
+            inject.backward(step, micro, hf.first_block(engine.module))
+            loss = loss_of(engine, tokens, targets)
             engine.backward(loss)
             if micro == accum - 1:
                 inject.before_step(step)
@@ -103,7 +106,8 @@ def main() -> int:
               "t_loaded": t_loaded, "loaded_step": loaded_step, "step_end": step_end, "losses": losses,
               "save_s": save_s, "recoveries": session.recoveries, "global_steps": engine.global_steps,
               "fp32_digest": digest(fp32_partitions(engine)),
-              "optimizer_digest": digest(t for _, t in optimizer_state_tensors(engine))}
+              "optimizer_digest": digest(t for _, t in optimizer_state_tensors(engine)),
+              "state_digest": statedigest.deepspeed_engine(engine)}
     session.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

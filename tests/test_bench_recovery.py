@@ -38,6 +38,24 @@ def test_bench_recovery_writes_its_json(tmp_path, no_leaks):
 
 
 @pytest.mark.slow
+def test_bench_recovery_runs_users_models_side_by_side(tmp_path, no_leaks):
+    """models=[gpt,hf_gpt2]: each model's in-place ways, bitwise, with its total against the GPT's and
+    the spare's engine build after its order."""
+    out = tmp_path / "h.json"
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "bench_recovery.py"), f"out={out}",
+                           "models=[gpt,hf_gpt2]", "ways=[hotspare,keeper]", "kill_step=6", "train.steps=8",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert sorted(r["models"]) == ["gpt", "hf_gpt2"] and r["bitwise_identical"] is True
+    for family, m in r["models"].items():
+        assert m["model"] == family and m["bitwise_identical"] is True
+        for way in ("hotspare", "keeper"):
+            assert KEYS <= set(m[way]) and m[way]["engine_build_s"] > 0, (family, way)
+        assert set(m["total_vs_gpt"]) == {"hotspare", "keeper"}
+
+
+@pytest.mark.slow
 def test_bench_recovery_on_megatron_writes_the_same_keys(tmp_path, no_leaks):
     """framework=megatron: hotspare and keeper in place, megatron-core's dist_checkpointing restart
     (save every K iterations, load after the restart) and its /dev/shm variant."""

@@ -618,3 +618,17 @@ def test_on_an_accelerator_a_replacement_nodes_spare_takes_any_rank():
     control.append(store, control.SPARE_COUNT, "spare/", json.dumps(["s2.0", 2]))
     store.set("ready/s2.0", "local")
     assert fail_and_plan("a3", 3, 1).replaced == {"3": "s2.0"}
+
+
+def test_when_every_rank_raises_the_job_stops_naming_the_script_not_the_spares():
+    """Every rank exits with an error at once (a script or config bug: megatron's plain Adam once
+    made the launcher suggest more spares): the stop names the script, not --spares-per-node."""
+    from hotspare import control
+
+    store, fail_and_plan = _coordinator_with_spares(0, store_timeout_s=0.2)
+    for rank in range(3):
+        control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
+            worker=f"a{rank}", rank=rank, code=1, reason="exit", wall_time=time.time()))))
+    plan = fail_and_plan("a3", 3, 1)
+    assert plan.abort and not plan.replaced
+    assert "every rank exited with an error" in plan.abort and "--spares-per-node" not in plan.abort, plan.abort

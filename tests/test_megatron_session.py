@@ -22,3 +22,29 @@ def test_every_module_a_spare_imports_while_it_waits_exists_in_this_megatron_cor
     from hotspare.integrations.megatron import warm_up_spare
 
     assert warm_up_spare() == []
+
+
+def test_a_plain_optimizer_is_refused_naming_the_distributed_one():
+    """megatron-core's example trains with a plain torch Adam: refused at initialize with what to
+    build instead (it used to fail on every rank with an AttributeError on shard_fp32_groups)."""
+    import torch
+
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ConfigError, match=r"torch\.optim\.adam\.Adam.*use_distributed_optimizer=True"):
+        megatron.check_optimizer(adam)
+    # With hotspare off the build's optimizer is the user's business.
+    assert megatron._build(lambda: ([], adam, None), {}, enabled=False)[1] is adam
+    with pytest.raises(ConfigError, match="distributed optimizer only"):
+        megatron._build(lambda: ([], adam, None), {}, enabled=True)
+
+
+def test_the_missing_gloo_groups_of_get_megatron_optimizers_defaults_are_named():
+    """get_megatron_optimizer's default use_gloo_process_groups=True meets hotspare's
+    create_gloo_process_groups=False: the error says which argument to pass and why."""
+    def build():
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group_gloo()  # what the optimizer does; asserts without the twins
+
+    with pytest.raises(ConfigError, match="use_gloo_process_groups=False.*create_gloo_process_groups=True"):
+        megatron._build(build, {"create_gloo_process_groups": False}, enabled=True)

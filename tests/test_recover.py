@@ -304,6 +304,9 @@ USERS = [
       if (stage, model, label) != (2, "hf_gpt2", "")],
     pytest.param(1, (("model", "stats"),), id="z1-stats", marks=pytest.mark.slow),
     pytest.param(3, (("model", "stats"),), id="z3-stats", marks=pytest.mark.slow),
+    # The optimizers DeepSpeed builds from other JSON sections, and a client optimizer.
+    *[pytest.param(stage, (("model", "gpt"), ("optimizer", kind)), id=f"z{stage}-{kind}", marks=pytest.mark.slow)
+      for kind in ("offload", "adagrad_offload", "lion_offload", "adagrad", "client") for stage in (2, 3)],
 ]
 
 

@@ -4,6 +4,9 @@
 """
 from __future__ import annotations
 
+from .position import STEP_INDEXED, DataPosition, skip
+
+__all__ = ["DataPosition", "STEP_INDEXED", "initialize", "skip"]
 __version__ = "0.1.0"
 
 

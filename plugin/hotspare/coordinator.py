@@ -176,9 +176,15 @@ class Coordinator:
                              for f in failures)
             per_node = max(collections.Counter(dead.values()).values())
             bound = " (on an accelerator a spare takes only a rank of its own node)" if self._local_only(ready) else ""
-            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain{bound}; to survive {len(dead)} "
-                      f"failures at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
-                      f"{max(per_node, self.spec.spares_per_node + 1)}")
+            if len(dead) == self.world_size and all(f.reason == "exit" and f.code > 0 for f in failures):
+                # Every rank raised (none was killed): a bug in the script, its config or its
+                # environment, which spares running the same script would meet too.
+                reason = (f"every rank exited with an error ({lost}): that is a fault in the script, its config or "
+                          f"its environment, not one spares can cover; see the first traceback above")
+            else:
+                reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain{bound}; to survive {len(dead)} "
+                          f"failures at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
+                          f"{max(per_node, self.spec.spares_per_node + 1)}")
             plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
                                 abort=reason, failures_read=self._fail_read)
             _log(f"cannot recover: {reason}")

@@ -26,6 +26,7 @@ import torch
 from torch.distributed import distributed_c10d as c10d
 
 import mcore_gpt
+import hotspare
 from hotspare.integrations import megatron
 from hotspare.testing.groups import dead_groups_held
 from hotspare.worker import worker_id
@@ -72,7 +73,7 @@ def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
     session = megatron.initialize(lambda: mcore_gpt.build(gloo_groups=GLOO_GROUPS), config,
                                   pipeline_model_parallel_size=mcore_gpt.PP, tensor_model_parallel_size=TP,
                                   virtual_pipeline_model_parallel_size=VP if VP > 1 else None,
-                                  create_gloo_process_groups=GLOO_GROUPS)
+                                  create_gloo_process_groups=GLOO_GROUPS, data_state=hotspare.STEP_INDEXED)
     rank = session.generation.rank
     microbatch = [0]
 

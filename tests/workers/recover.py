@@ -31,7 +31,7 @@ from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_ten
 from hotspare.testing import statedigest
 from hotspare.testing.groups import dead_groups_held
 from hotspare.worker import worker_id
-from tiny import loss_of, tiny_model_and_config
+from tiny import initialize_kwargs, loss_of, tiny_model_and_config
 
 
 def digest(tensors) -> str:
@@ -67,7 +67,8 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
     if any(spec.endswith(":join") and spec.split(":")[0] == os.environ.get("RANK") for spec in kill.split(",")) \
             and worker_id() == f"a{os.environ.get('RANK')}":
         fault_points.arm("join", at=1)  # a second failure while the first recovery's generation forms
-    session = hotspare.initialize(model=model, config=ds, model_parameters=model.parameters())
+    session = hotspare.initialize(model=model, config=ds, **initialize_kwargs(model, 1e-2),
+                                  data_state=hotspare.STEP_INDEXED)
     engine, rank, wid = session.engine, session.generation.rank, worker_id()
     faults = {}
     for spec in ([] if kill == "none" else kill.split(",")):

@@ -8,16 +8,41 @@ import torch
 
 from hotspare.env import make_deterministic
 from hotspare.testing import hf
+from hotspare.worker import role
 from hotspare.testing.gpt import GPT, GPTConfig
 
 
-def optimizer_config(lr: float) -> dict:
-    """DeepSpeed's own AdamW (its default implementation: the fused_adam op on CPU) unless
-    HS_TEST_OPTIMIZER=torch_adam asks for torch's."""
+OPTIMIZERS = ("default", "torch_adam", "offload", "adagrad_offload", "lion_offload", "adagrad", "client")
+
+
+def optimizer_kind() -> str:
+    """HS_TEST_OPTIMIZER: default (DeepSpeed's own AdamW: FusedAdam, the fused_adam op on CPU),
+    torch_adam, offload (ZeRO-Offload: DeepSpeedCPUAdam), adagrad_offload (DeepSpeedCPUAdagrad),
+    lion_offload (DeepSpeedCPULion), adagrad (torch's, from the JSON) or client (a torch AdamW
+    passed to initialize)."""
+    kind = os.environ.get("HS_TEST_OPTIMIZER", "default")
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"HS_TEST_OPTIMIZER={kind!r}: one of {', '.join(OPTIMIZERS)}")
+    return kind
+
+
+def optimizer_config(lr: float) -> dict | None:
+    """The JSON's optimizer section for :func:`optimizer_kind` (None for a client optimizer)."""
+    kind = optimizer_kind()
+    if kind == "client":
+        return None
     params = {"lr": lr}
-    if os.environ.get("HS_TEST_OPTIMIZER", "default") == "torch_adam":
+    if kind == "torch_adam":
         params["torch_adam"] = True
-    return {"type": "AdamW", "params": params}
+    name = {"adagrad_offload": "Adagrad", "adagrad": "Adagrad", "lion_offload": "Lion"}.get(kind, "AdamW")
+    return {"type": name, "params": params}
+
+
+def initialize_kwargs(model, lr: float) -> dict:
+    """What the worker passes to hotspare.initialize besides the model and config."""
+    if optimizer_kind() == "client":
+        return {"optimizer": torch.optim.AdamW(model.parameters(), lr=lr)}
+    return {"model_parameters": model.parameters()}
 
 
 class Stats(torch.nn.Module):
@@ -29,7 +54,10 @@ class Stats(torch.nn.Module):
     def __init__(self, gpt):
         super().__init__()
         self.gpt = gpt
-        noise = torch.randn(256, generator=torch.Generator().manual_seed(os.getpid()))
+        # Active ranks seed by rank (rank 0's values, which DeepSpeed broadcasts, are the same in every
+        # run); a spare by its pid: its own values are never the job's.
+        seed = os.getpid() if role() == "spare" else 1000 + int(os.environ.get("RANK", "0"))
+        noise = torch.randn(256, generator=torch.Generator().manual_seed(seed))
         self.frozen = torch.nn.Parameter(noise, requires_grad=False)
         self.register_buffer("running", torch.zeros(()))
 
@@ -69,8 +97,11 @@ def tiny_model_and_config(stage: int, lr: float = 1e-3, **extra):
         if name == "stats":
             model = Stats(model)
     ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-          "optimizer": optimizer_config(lr),
           "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000}, **extra}
+    if optimizer_config(lr) is not None:
+        ds["optimizer"] = optimizer_config(lr)
+    if optimizer_kind().endswith("offload"):
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if os.environ.get("HS_TEST_DTYPE") == "bf16":
         ds["bf16"] = {"enabled": True}
     if os.environ.get("HS_TEST_EXTRAS") == "1":

@@ -23,6 +23,7 @@ from .. import checkpoint, env, identity
 from ..config import split_deepspeed_config, to_mapping
 from ..events import EventLog, log
 from ..generation import Generation
+from ..position import NO_DATA_HOOKS, data_hooks
 from ..recovery import RecoveryError
 from ..session import Session
 from ..startup import (await_takeover, default_group_timeout, gather_ints, heartbeat_for, import_modules,
@@ -122,6 +123,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
     landing version, or exits the process (status 0) when the job ends first.
     """
     ds_config, hs_config = split_deepspeed_config(config)
+    data_state, load_data_state, data_said = data_hooks(data_state, load_data_state)
     env.configure_accelerator()
     import deepspeed
 
@@ -165,6 +167,8 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
                 f'"hotspare": {{}} turns it on with its defaults')
         return session
     session.events = EventLog(hs_config.events_dir, gen.rank, gen.index)
+    if not data_said and gen.rank == 0 and not spare:
+        log(f"WARNING: {NO_DATA_HOOKS}")
     session.state = DeepSpeedState(engine, data_state, load_data_state, spare=spare)
     session.keeper = keeper_for(hs_config, get_accelerator().device_name())
     if hs_config.checkpoint.enabled:

@@ -48,6 +48,7 @@ from .. import checkpoint, identity, rebuild
 from ..config import DEEPSPEED_SECTION, ConfigError, HotspareConfig, from_mapping, to_mapping
 from ..events import EventLog, log
 from ..generation import Generation
+from ..position import NO_DATA_HOOKS, data_hooks
 from ..recovery import RecoveryError
 from ..session import Session
 from ..startup import await_takeover, gather_ints, heartbeat_for, import_modules, join_from_env, keeper_for
@@ -82,7 +83,8 @@ def shards(optimizer) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of this rank's fp32 shards, in a fixed order."""
     out = []
     for i, do in enumerate(distributed_optimizers(optimizer)):
-        for kind, groups in (("fp32", do.shard_fp32_groups), ("main", do.shard_fp32_from_float16_groups)):
+        for kind, groups in (("fp32", getattr(do, "shard_fp32_groups", ())),
+                             ("main", getattr(do, "shard_fp32_from_float16_groups", ()))):
             for g, group in enumerate(groups):
                 out += [(f"{kind}.{i}.{g}.{j}", p) for j, p in enumerate(group)]
     return out
@@ -664,6 +666,41 @@ def _use_local_device(backend: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def _build(build: Callable[[], tuple], parallel: dict, enabled: bool) -> tuple:
+    """``build()``, with the two set-up mistakes a megatron-core example leads to named."""
+    try:
+        model, optimizer, scheduler = build()
+    except AssertionError as exc:
+        text = str(exc)
+        if ("not initialized" in text and ("gloo" in text or "partial data parallel" in text)
+                and not parallel.get("create_gloo_process_groups")):
+            raise ConfigError(
+                f"the build asked for megatron-core's gloo process groups ({exc}): get_megatron_optimizer makes "
+                f"them its default (use_gloo_process_groups=True), and hotspare's initialize creates them only when "
+                f"told. Pass use_gloo_process_groups=False to get_megatron_optimizer (the distributed optimizer "
+                f"needs none), or create_gloo_process_groups=True to hotspare.integrations.megatron.initialize "
+                f"(four more groups rebuilt at each recovery)") from exc
+        raise
+    if enabled:
+        check_optimizer(optimizer)
+    return model, optimizer, scheduler
+
+
+def check_optimizer(optimizer) -> None:
+    """hotspare's megatron integration mirrors each rank's shard of megatron-core's distributed
+    optimizer; any other optimizer is refused here with what to use instead."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    wrong = [o for o in distributed_optimizers(optimizer) if not isinstance(o, DistributedOptimizer)]
+    if wrong:
+        names = ", ".join(sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in wrong}))
+        raise ConfigError(
+            f"the build returned the optimizer {names}; hotspare's megatron integration supports megatron-core's "
+            f"distributed optimizer only (each rank's unique state is its shard of it). Build it with "
+            f"megatron.core.optimizer.get_megatron_optimizer(OptimizerConfig(..., use_distributed_optimizer=True), "
+            f"model_chunks, use_gloo_process_groups=False)")
+
+
 def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | str | None, *,
                tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, data_state=None,
                load_data_state=None, backend: str | None = None, **parallel) -> MegatronSession:
@@ -688,6 +725,7 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
     from megatron.core import parallel_state as ps
 
     hs = parse_config(config)
+    data_state, load_data_state, data_said = data_hooks(data_state, load_data_state)
     if ps.model_parallel_is_initialized():
         raise RuntimeError("parallel_state is initialised already: let hotspare's initialize call "
                            "initialize_model_parallel (pass its arguments here), so that it can rebuild the groups")
@@ -717,7 +755,7 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
             heartbeat = heartbeat_for(hs, store)
     with _gloo_twins_fake_on_a_spare(spare):
         ps.initialize_model_parallel(**parallel)
-    model, optimizer, scheduler = build()
+    model, optimizer, scheduler = _build(build, parallel, hs is not None and hs.enabled)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     session = MegatronSession(model=model, optimizer=optimizer, scheduler=scheduler, parallel=parallel, config=hs,
                               generation=gen, store=store, heartbeat=heartbeat, spare=spare, backend=backend,
@@ -729,6 +767,8 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
     if hs is None or not hs.enabled:
         return session
     session.events = EventLog(hs.events_dir, gen.rank, gen.index)
+    if not data_said and gen.rank == 0 and not spare:
+        log(f"WARNING: {NO_DATA_HOOKS}")
     session.keeper = keeper_for(hs, "cuda" if torch.cuda.is_available() else "cpu")
     if spare:
         session._join_as_spare(order.plan, order.rank, order.t_order)

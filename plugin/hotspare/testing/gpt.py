@@ -31,8 +31,13 @@ class GPTConfig:
     """Dropout probability (exercises the RNG state that recovery must restore)."""
     vocab_size: int = 256
     """Byte-level vocabulary."""
+    family: str = "gpt"
+    """The architecture built from this shape: gpt (this module's) or a transformers family of
+    :mod:`hotspare.testing.hf` (hf_gpt2, hf_llama, hf_opt)."""
 
     def __post_init__(self) -> None:
+        if self.family not in ("gpt", "hf_gpt2", "hf_llama", "hf_opt"):
+            raise ValueError(f"model.family={self.family!r}: choose gpt, hf_gpt2, hf_llama or hf_opt")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="

@@ -46,3 +46,29 @@ def build(family: str, *, vocab_size: int = 256, hidden_size: int = 32, num_laye
 def loss(engine_or_model, tokens: torch.Tensor) -> torch.Tensor:
     """The causal-LM loss of ``tokens`` (labels are the inputs; transformers shifts them)."""
     return engine_or_model(input_ids=tokens, labels=tokens).loss
+
+
+def first_block(model: torch.nn.Module) -> torch.nn.Module:
+    """The first transformer block of the project's GPT or of a transformers model (fault hooks)."""
+    for path in ("blocks", "transformer.h", "model.layers", "model.decoder.layers"):
+        obj = model
+        try:
+            for name in path.split("."):
+                obj = getattr(obj, name)
+        except AttributeError:
+            continue
+        return obj[0]
+    raise ValueError(f"no transformer blocks found in {type(model).__name__}")
+
+
+def model_and_loss(cfg):
+    """(model, loss(engine, tokens, targets)) for a recipe's model shape ``cfg``
+    (:class:`hotspare.testing.gpt.GPTConfig`): the project's GPT, or its ``family`` of transformers
+    built from the same shape (which shifts the labels itself: ``targets`` is not used)."""
+    from .gpt import GPT
+
+    if cfg.family == "gpt":
+        return GPT(cfg), lambda engine, tokens, targets: engine(tokens.to(engine.device), targets.to(engine.device))
+    model = build(cfg.family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                  num_heads=cfg.num_heads, seq_len=cfg.seq_len, dropout=cfg.dropout)
+    return model, lambda engine, tokens, _targets: loss(engine, tokens.to(engine.device))
