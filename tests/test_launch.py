@@ -155,6 +155,7 @@ SPARE_SCRIPT = textwrap.dedent("""
             time.sleep(0.05)  # then it ends as its rank would
     else:
         rank = int(os.environ["RANK"])
+        store.set("trained", "1")  # as rank 0 of a job past its first step (control.TRAINED)
         hb = worker.Heartbeat(wid, 0.1, float(os.environ.get("HB_TIMEOUT", "2")))
         mode = os.environ.get("FAIL_" + wid, "")
         if mode == "exit":
@@ -517,9 +518,10 @@ def test_a_worker_about_to_be_killed_as_stuck_writes_where_it_is_stuck():
     assert b"blocked_right_here" in err and b"<string>" in err, err.decode(errors="replace")
 
 
-def _coordinator_with_spares(count: int, **spec):
+def _coordinator_with_spares(count: int, trained: bool = True, **spec):
     """In process, no workers: a coordinator for 4 ranks on 2 nodes, ``count`` ready spares on
-    node 0, and ``fail_and_plan(wid, rank, g)``: report that failure, step until plan g is written."""
+    node 0, and ``fail_and_plan(wid, rank, g)``: report that failure, step until plan g is written.
+    ``trained``: the job's first step completed (control.TRAINED)."""
     from hotspare import control
     from hotspare.coordinator import Coordinator
 
@@ -528,6 +530,8 @@ def _coordinator_with_spares(count: int, **spec):
     launcher._open_store()
     store = launcher.store
     coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
+    if trained:
+        store.set(control.TRAINED, "1")
     for wid in [f"s0.{i}" for i in range(count)]:
         control.append(store, control.SPARE_COUNT, "spare/", json.dumps([wid, 0]))
         store.set(f"ready/{wid}", "1")
@@ -620,15 +624,39 @@ def test_on_an_accelerator_a_replacement_nodes_spare_takes_any_rank():
     assert fail_and_plan("a3", 3, 1).replaced == {"3": "s2.0"}
 
 
-def test_when_every_rank_raises_the_job_stops_naming_the_script_not_the_spares():
-    """Every rank exits with an error at once (a script or config bug: megatron's plain Adam once
-    made the launcher suggest more spares): the stop names the script, not --spares-per-node."""
+def test_ranks_that_raise_before_the_first_step_stop_the_job_naming_the_script_not_the_spares():
+    """Ranks exit with an error before the job's first step (a script or config bug: megatron's
+    plain Adam once made the launcher suggest more spares, and each spare failed the same way):
+    the job stops at once naming the script, not --spares-per-node. After the first step
+    (``trained``) the same failures get the spares advice. A spare that is ready is not used for
+    a rank that raised before the first step."""
     from hotspare import control
 
-    store, fail_and_plan = _coordinator_with_spares(0, store_timeout_s=0.2)
-    for rank in range(3):
-        control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
-            worker=f"a{rank}", rank=rank, code=1, reason="exit", wall_time=time.time()))))
-    plan = fail_and_plan("a3", 3, 1)
+    for trained in (False, True):
+        store, fail_and_plan = _coordinator_with_spares(0, trained=trained, store_timeout_s=0.2)
+        for rank in range(2):
+            control.append(store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(control.Failure(
+                worker=f"a{rank}", rank=rank, code=1, reason="exit", wall_time=time.time()))))
+        plan = fail_and_plan("a3", 3, 1)
+        assert plan.abort and not plan.replaced
+        script = "exited with an error before the job's first step" in plan.abort
+        assert script != trained and ("--spares-per-node" in plan.abort) == trained, plan.abort
+    store, fail_and_plan = _coordinator_with_spares(2, trained=False)
+    plan = fail_and_plan("a1", 1, 1)
+    assert plan.abort and not plan.replaced and "rank 1 (error exit) exited with an error before" in plan.abort
+
+
+def test_two_spares_whose_set_up_fails_the_same_way_stop_the_job_with_its_message():
+    """A spare's set-up collective (setupguard.py) is reported as unfit/<wid>; the second spare
+    failing with the same message stops the job with it instead of trying every spare."""
+    from hotspare import control
+
+    store, fail_and_plan = _coordinator_with_spares(4)
+    assert fail_and_plan("a1", 1, 1).replaced == {"1": "s0.0"}
+    message = "this spare's script called torch.distributed.broadcast() after initialize"
+    store.set(control.unfit_key("s0.0"), message)
+    assert fail_and_plan("s0.0", 1, 2).replaced == {"1": "s0.1"}
+    store.set(control.unfit_key("s0.1"), message)
+    plan = fail_and_plan("s0.1", 1, 3)
     assert plan.abort and not plan.replaced
-    assert "every rank exited with an error" in plan.abort and "--spares-per-node" not in plan.abort, plan.abort
+    assert plan.abort == f"spares s0.0, s0.1 failed the same way after taking a rank: {message}"

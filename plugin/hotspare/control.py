@@ -86,6 +86,15 @@ def exited_key(wid: str) -> str:
     return f"exited/{wid}"
 
 
+TRAINED = "trained"
+"""Set by rank 0 once the job's first step completed (a failure before it is likely the script's)."""
+
+
+def unfit_key(wid: str) -> str:
+    """Why spare ``wid`` cannot take a rank (its set-up failed deterministically; setupguard.py)."""
+    return f"unfit/{wid}"
+
+
 def caught_up_key(generation: int) -> str:
     return f"caught_up/{generation}"
 

@@ -18,6 +18,8 @@ import time
 from . import control
 
 
+UNFIT_STOP = 2
+"""Spares whose set-up fails with the same message (``unfit/<wid>``) before the job stops."""
 MAX_FAILED_TAKEOVERS = 3
 """Spares in a row that may fail to take one rank (each before its generation caught up) before
 the job stops: one that fails at every takeover (a bug in the rank's build or restore, a broken
@@ -70,6 +72,7 @@ class Coordinator:
         self._failed: set[str] = set()  # workers a launcher reported failed
         self._promoted: dict[str, tuple[int, int, float]] = {}  # spare -> (rank, generation, when) it was promoted
         self._failed_takeovers: dict[int, list[str]] = {}  # rank -> its spares, in a row, whose takeover failed
+        self._unfit: dict[str, list[str]] = {}  # message -> spares whose set-up failed so (unfit/<wid>)
         self._scope: dict[str, str] = {}  # ready spare -> control.SPARE_LOCAL or SPARE_ANY (what it said)
         self._homes = {spec.node_of_rank(r) for r in range(world_size)}  # the nodes that hold ranks
 
@@ -146,12 +149,14 @@ class Coordinator:
                                      [s for s in ready if s[0] not in kept.values()], self._local_only(ready))
         choice = None if rest is None else {**kept, **rest}
         g = self.generation + 1
-        if choice is None and len(self._spares) >= len(dead) and \
+        raised = [f for f in failures if f.reason == "exit" and f.code > 0]
+        early = bool(raised) and not self.store.check([control.TRAINED])
+        if not early and choice is None and len(self._spares) >= len(dead) and \
                 time.monotonic() - self._pending_since < self.spec.store_timeout_s:
             # Enough spares exist but some are still starting (imports, model build): wait for them.
             self._pending = failures + self._pending
             return
-        if choice is None and time.monotonic() - self._pending_since < self.spec.spare_wait_s:
+        if not early and choice is None and time.monotonic() - self._pending_since < self.spec.spare_wait_s:
             # Configured to wait for spares: from a replacement node (hotspare-run --spares-only).
             if not self._waiting_for_spares:
                 self._waiting_for_spares = True
@@ -163,7 +168,23 @@ class Coordinator:
             return
         self._waiting_for_spares = False
         repeated = {r: w for r, w in self._failed_takeovers.items() if r in dead and len(w) >= MAX_FAILED_TAKEOVERS}
-        if repeated:
+        unfit = next(((m, w) for m, w in self._unfit.items() if len(w) >= UNFIT_STOP), None)
+        if early:
+            # A rank raised before the job's first step: most likely the script, its config or its
+            # environment, which a spare running the same script would meet too; and nothing is
+            # lost by stopping now. (A rank killed before the first step still gets a spare.)
+            lost = ", ".join(f"rank {f.rank} ({describe_exit(f.code)})" for f in raised)
+            reason = (f"{lost} exited with an error before the job's first step: most likely a fault in the script, "
+                      f"its config or its environment, which a spare would meet too; see the first traceback above")
+            plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
+                                abort=reason, failures_read=self._fail_read)
+            _log(f"cannot recover: {reason}")
+        elif unfit is not None:
+            reason = f"spares {', '.join(unfit[1])} failed the same way after taking a rank: {unfit[0]}"
+            plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
+                                abort=reason, failures_read=self._fail_read)
+            _log(f"cannot recover: {reason}")
+        elif repeated:
             reason = "; ".join(
                 f"rank {r}: {len(w)} spares in a row ({', '.join(w)}) failed before their generation caught up" for r, w
                 in sorted(repeated.items())) + (" (a spare cannot take this rank: see those workers' logs; a spare "
@@ -176,15 +197,9 @@ class Coordinator:
                              for f in failures)
             per_node = max(collections.Counter(dead.values()).values())
             bound = " (on an accelerator a spare takes only a rank of its own node)" if self._local_only(ready) else ""
-            if len(dead) == self.world_size and all(f.reason == "exit" and f.code > 0 for f in failures):
-                # Every rank raised (none was killed): a bug in the script, its config or its
-                # environment, which spares running the same script would meet too.
-                reason = (f"every rank exited with an error ({lost}): that is a fault in the script, its config or "
-                          f"its environment, not one spares can cover; see the first traceback above")
-            else:
-                reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain{bound}; to survive {len(dead)} "
-                          f"failures at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
-                          f"{max(per_node, self.spec.spares_per_node + 1)}")
+            reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain{bound}; to survive {len(dead)} "
+                      f"failures at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
+                      f"{max(per_node, self.spec.spares_per_node + 1)}")
             plan = control.Plan(g, self.world_size, workers, failures=[dataclasses.asdict(f) for f in failures],
                                 abort=reason, failures_read=self._fail_read)
             _log(f"cannot recover: {reason}")
@@ -214,6 +229,9 @@ class Coordinator:
         promoted = self._promoted.pop(failure.worker, None)
         if promoted is None:
             return
+        if self.store.check([control.unfit_key(failure.worker)]):
+            message = self.store.get(control.unfit_key(failure.worker)).decode("utf-8", errors="replace")[:2000]
+            self._unfit.setdefault(message, []).append(failure.worker)
         rank, g, since = promoted
         lived = time.monotonic() - since >= TAKEOVER_LIVED_S
         # The generation it was promoted to, or a later one it was carried into (its first was

@@ -37,6 +37,7 @@ from .recovery import (GenerationFailed, RecoveryError, exchange_holdings, is_di
                        start_fetch)
 from .retain import RetainedSnapshots
 from .snapshot import Layout
+from .setupguard import SetupGuard
 from .sockets import abort_nccl, break_connections
 from .startup import node_ranks, wait_for_takeover
 from .transport import GlooTransport
@@ -85,6 +86,10 @@ class Session:
     """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
     _reapers: list = field(default_factory=list)
     """The threads releasing the groups of generations left behind (:func:`leave`)."""
+    _trained: bool = False
+    _setup_guard: SetupGuard | None = None
+    """On a spare, from its takeover to its loop's first step: collectives of the script's set-up
+    (setupguard.py)."""
     _catching_up: tuple[int, int, int] | None = None
     """Rank 0 after a recovery: (generation, step the failure interrupted, step it landed on) until
     a step of the new generation completes and the count is back at the interrupted step; then
@@ -154,8 +159,10 @@ class Session:
         After a recovery the next index is the landing version's, so the interrupted step and
         any a survivor had run past it are run again, with the same batches.
         """
+        self._end_setup()
         while self.step_count() < total:
             yield self.step_count()
+            self._note_trained()
             if self._catching_up is not None:
                 self._note_caught_up()
 
@@ -169,6 +176,7 @@ class Session:
         """
         @functools.wraps(fn)
         def run(*args, **kwargs):
+            self._end_setup()
             try:
                 result = fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - classified below
@@ -516,6 +524,22 @@ class Session:
                                     f"generation {plan.generation} gives it rank {plan.rank_of(worker_id())}")
         self.events("takeover", generation=plan.generation, replaced=plan.replaced)
         self._land(plan, plan.generation, records, None, {"engine_build_s": t_built - t_order}, t_order)
+        if self.store is not None:
+            store, wid = self.store, worker_id()
+            self._setup_guard = SetupGuard(lambda message: store.set(control.unfit_key(wid), message)).start()
+
+    def _note_trained(self) -> None:
+        """Rank 0, once: the job's first step completed (the coordinator tells a script that fails
+        before it from a fault spares can cover)."""
+        if not self._trained and self.store is not None and self.generation.rank == 0:
+            self.store.set(control.TRAINED, "1")
+        self._trained = True
+
+    def _end_setup(self) -> None:
+        """The loop's first step: a spare's set-up guard (setupguard.py) is lifted."""
+        if self._setup_guard is not None:
+            self._setup_guard.stop()
+            self._setup_guard = None
 
     # ---- what each host framework says -----------------------------------------------------
 
@@ -617,6 +641,7 @@ class Session:
     def close(self) -> None:
         """Stop mirroring, write the queued checkpoints, leave the current generation; call once at
         the end of training."""
+        self._end_setup()
         if self.mirror is not None:
             try:  # the last round, so that no peer's round fails on a transport closed under it
                 self.mirror.flush(self.config.mirror.timeout_s)

@@ -61,6 +61,21 @@ def default_group_timeout(seconds: float):
             setattr(c10d, name, value)
 
 
+@contextlib.contextmanager
+def goodbye_on_error(heartbeat: Heartbeat | None):
+    """Around a start-up step that may raise a user's error (a build, a config check): the worker
+    says goodbye before the exception leaves, so that its launcher takes the exit that follows
+    for an error, not for a hang (a gloo group's destructor at exit waits for its peers, seconds
+    past the heartbeat's timeout, and the worker was killed as hung; seen with megatron's plain
+    Adam refused on every rank)."""
+    try:
+        yield
+    except BaseException:
+        if heartbeat is not None:
+            heartbeat.close()
+        raise
+
+
 def keeper_for(cfg: HotspareConfig, accelerator: str) -> KeeperClient | None:
     """This process's keeper client; ``accelerator``: DeepSpeed's accelerator name ('cuda', 'cpu', ...)."""
     if cfg.retain.device_tier and accelerator != "cuda":

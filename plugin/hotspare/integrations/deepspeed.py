@@ -26,8 +26,8 @@ from ..generation import Generation
 from ..position import NO_DATA_HOOKS, data_hooks
 from ..recovery import RecoveryError
 from ..session import Session
-from ..startup import (await_takeover, default_group_timeout, gather_ints, heartbeat_for, import_modules,
-                       join_from_env, keeper_for, node_ranks)
+from ..startup import (await_takeover, default_group_timeout, gather_ints, goodbye_on_error, heartbeat_for,
+                       import_modules, join_from_env, keeper_for, node_ranks)
 from ..snapshot import Layout, read_meta
 from ..worker import role
 from .optim_state import (NativeSteps, changed_attributes, coverage, plain_attributes,                           from_json, jsonable, plain_state, set_plain_state)
@@ -150,11 +150,13 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
     deepspeed.init_distributed(dist_backend=backend)
     # DeepSpeed creates its groups without a timeout (torch's default: 30 min for gloo, 10 for
     # NCCL); they get the job's collective timeout, the backstop that finds a stuck peer.
-    with default_group_timeout(collective_timeout_s):
+    with goodbye_on_error(heartbeat), default_group_timeout(collective_timeout_s):
         engine, opt, loader, sched = deepspeed.initialize(
             model=model, config=ds_config, model_parameters=model_parameters, optimizer=optimizer,
             lr_scheduler=lr_scheduler, training_data=training_data, **kwargs)
     if engine.zero_optimization_stage() not in (1, 2, 3):
+        if heartbeat is not None:
+            heartbeat.close()
         raise ValueError(f"zero_optimization.stage={engine.zero_optimization_stage()}: hotspare needs ZeRO stage "
                          f"1, 2 or 3 (each rank's unique state is its ZeRO partition)")
     session = DeepSpeedSession(engine=engine, optimizer=opt, training_dataloader=loader, lr_scheduler=sched,

@@ -51,7 +51,8 @@ from ..generation import Generation
 from ..position import NO_DATA_HOOKS, data_hooks
 from ..recovery import RecoveryError
 from ..session import Session
-from ..startup import await_takeover, gather_ints, heartbeat_for, import_modules, join_from_env, keeper_for
+from ..startup import (await_takeover, gather_ints, goodbye_on_error, heartbeat_for, import_modules, join_from_env,
+                       keeper_for)
 from ..snapshot import Layout, read_meta
 from ..worker import role
 
@@ -439,10 +440,12 @@ class MegatronSession(Session):
         return self.state.iteration
 
     def steps(self, total: int):
+        self._end_setup()
         while self.state.iteration < total:
             recoveries = len(self.recoveries)
             yield self.state.iteration
             if len(self.recoveries) == recoveries:  # the iteration completed (not recovered)
+                self._note_trained()
                 try:
                     self.iteration_done()
                 except Exception as exc:  # noqa: BLE001 - classified below
@@ -753,9 +756,10 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
         gen, store = join_from_env(backend, timeout_s, fp)
         if hs is not None and hs.enabled:
             heartbeat = heartbeat_for(hs, store)
-    with _gloo_twins_fake_on_a_spare(spare):
-        ps.initialize_model_parallel(**parallel)
-    model, optimizer, scheduler = _build(build, parallel, hs is not None and hs.enabled)
+    with goodbye_on_error(heartbeat):
+        with _gloo_twins_fake_on_a_spare(spare):
+            ps.initialize_model_parallel(**parallel)
+        model, optimizer, scheduler = _build(build, parallel, hs is not None and hs.enabled)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     session = MegatronSession(model=model, optimizer=optimizer, scheduler=scheduler, parallel=parallel, config=hs,
                               generation=gen, store=store, heartbeat=heartbeat, spare=spare, backend=backend,
