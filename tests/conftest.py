@@ -17,6 +17,23 @@ sys.path.insert(0, RECIPES)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def launch_workers(out, script: list[str], **spec) -> tuple[int, dict[int, dict]]:
+    """Run ``script`` under hotspare-run (``spec``: LaunchSpec fields) with ``out`` made first;
+    the exit code and the JSON every finishing worker wrote into ``out``, by its rank."""
+    import json
+
+    from hotspare import launch
+
+    out.mkdir(parents=True)
+    code = launch.run(launch.LaunchSpec(script=script, **spec))
+    results = {}
+    for path in glob.glob(str(out / "*.json")):
+        with open(path, encoding="utf-8") as f:
+            r = json.load(f)
+        results[r["rank"]] = r
+    return code, results
+
+
 @pytest.fixture
 def no_leaks():
     """Fail if the test leaves child processes, new /dev/shm entries or keeper sockets behind."""

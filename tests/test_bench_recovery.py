@@ -17,14 +17,18 @@ from conftest import RECIPES
 KEYS = {"detect_s", "rebuild_s", "restore_s", "recompute_s", "total_s", "lost_iterations"}
 
 
+def bench(tmp_path, name: str, *overrides: str) -> dict:
+    """Run recipes/bench_recovery.py with ``overrides`` in ``tmp_path``; its JSON."""
+    out = tmp_path / name
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "bench_recovery.py"), f"out={out}", *overrides,
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_bench_recovery_writes_its_json(tmp_path, no_leaks):
-    out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "bench_recovery.py"), f"out={out}",
-                           "kill_step=14", "checkpoint_every=10", "train.steps=16", f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = bench(tmp_path, "r.json", "kill_step=14", "checkpoint_every=10", "train.steps=16")
     for way in ("hotspare", "keeper", "stripe", "deepspeed_restart", "memory_restart"):
         assert KEYS <= set(r[way]), way
         assert r[way]["total_s"] > 0
@@ -41,12 +45,7 @@ def test_bench_recovery_writes_its_json(tmp_path, no_leaks):
 def test_bench_recovery_runs_users_models_side_by_side(tmp_path, no_leaks):
     """models=[gpt,hf_gpt2]: each model's in-place ways, bitwise, with its total against the GPT's and
     the spare's engine build after its order."""
-    out = tmp_path / "h.json"
-    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "bench_recovery.py"), f"out={out}",
-                           "models=[gpt,hf_gpt2]", "ways=[hotspare,keeper]", "kill_step=6", "train.steps=8",
-                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = bench(tmp_path, "h.json", "models=[gpt,hf_gpt2]", "ways=[hotspare,keeper]", "kill_step=6", "train.steps=8")
     assert sorted(r["models"]) == ["gpt", "hf_gpt2"] and r["bitwise_identical"] is True
     for family, m in r["models"].items():
         assert m["model"] == family and m["bitwise_identical"] is True
@@ -59,12 +58,7 @@ def test_bench_recovery_runs_users_models_side_by_side(tmp_path, no_leaks):
 def test_bench_recovery_on_megatron_writes_the_same_keys(tmp_path, no_leaks):
     """framework=megatron: hotspare and keeper in place, megatron-core's dist_checkpointing restart
     (save every K iterations, load after the restart) and its /dev/shm variant."""
-    out = tmp_path / "m.json"
-    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "bench_recovery.py"), f"out={out}",
-                           "framework=megatron", "kill_step=14", "checkpoint_every=10", "train.steps=16",
-                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = bench(tmp_path, "m.json", "framework=megatron", "kill_step=14", "checkpoint_every=10", "train.steps=16")
     assert r["framework"] == "megatron" and r["pipeline_stages"] == 2
     for way in ("hotspare", "keeper", "megatron_restart", "memory_restart"):
         assert KEYS <= set(r[way]), way

@@ -6,13 +6,11 @@ forward is replaced by a spare and the run ends bitwise identical (losses, shard
 data position) to one that never failed. Needs megatron-core and its CPU shim."""
 from __future__ import annotations
 
-import glob
-import json
 import os
 
 import pytest
 
-from hotspare import launch
+from conftest import launch_workers
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 WORKER = os.path.join(WORKERS, "mcore_example.py")
@@ -20,15 +18,9 @@ ITERS = 5
 
 
 def run(out, kill="none", spares=1, variant=""):
-    out.mkdir(parents=True)
-    code = launch.run(launch.LaunchSpec(script=[WORKER, str(out), str(ITERS), kill], nproc_per_node=4,
-                                        logical_nodes=2, spares_per_node=spares, stall_grace_s=2.0,
-                                        extra_env={"OMP_NUM_THREADS": "1", "HS_TEST_VARIANT": variant}))
-    results = {}
-    for path in glob.glob(str(out / "*.json")):
-        r = json.load(open(path, encoding="utf-8"))
-        results[r["rank"]] = r
-    return code, results
+    return launch_workers(out, [WORKER, str(out), str(ITERS), kill], nproc_per_node=4, logical_nodes=2,
+                          spares_per_node=spares, stall_grace_s=2.0,
+                          extra_env={"OMP_NUM_THREADS": "1", "HS_TEST_VARIANT": variant})
 
 
 _REFERENCE: dict = {}
@@ -68,9 +60,11 @@ def test_the_examples_loop_recovers_bitwise_with_its_data_position(kill, tmp_pat
     print(f"kill {kill}: recovery total_s " + " ".join(f"{got[r]['recoveries'][0]['total_s']:.3f}" for r in range(4)))
 
 
+# The gloo variant's message is checked in process too (tests/test_megatron_session.py): make slow.
 @pytest.mark.parametrize("variant,says", [
     ("plain_adam", "supports megatron-core's distributed optimizer only"),
-    ("gloo_default", "Pass use_gloo_process_groups=False to get_megatron_optimizer"),
+    pytest.param("gloo_default", "Pass use_gloo_process_groups=False to get_megatron_optimizer",
+                 marks=pytest.mark.slow),
 ])
 def test_what_the_example_does_that_hotspare_cannot_recover_is_refused_at_initialize(variant, says, tmp_path,
                                                                                       no_leaks, capfd):

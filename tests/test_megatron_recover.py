@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from hotspare import launch
+from conftest import launch_workers
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 WORKER = os.path.join(WORKERS, "megatron_recover.py")
@@ -20,16 +20,10 @@ ITERS = 5
 
 
 def run(out, kill="none", spares=1, keeper=True, ckpt_every=0, tp=1, gloo_groups=False, vp=1):
-    out.mkdir(parents=True)
-    code = launch.run(launch.LaunchSpec(script=[WORKER, str(out), str(ITERS), kill, str(ckpt_every)], nproc_per_node=4,
-                                        logical_nodes=2, spares_per_node=spares, keeper=keeper, stall_grace_s=2.0,
-                                        extra_env={"OMP_NUM_THREADS": "1", "HS_TEST_TP": str(tp), "HS_TEST_VP": str(vp),
-                                                   "HS_TEST_GLOO_GROUPS": "1" if gloo_groups else "0"}))
-    results = {}
-    for path in glob.glob(str(out / "*.json")):
-        r = json.load(open(path, encoding="utf-8"))
-        results[r["rank"]] = r
-    return code, results
+    return launch_workers(out, [WORKER, str(out), str(ITERS), kill, str(ckpt_every)], nproc_per_node=4,
+                          logical_nodes=2, spares_per_node=spares, keeper=keeper, stall_grace_s=2.0,
+                          extra_env={"OMP_NUM_THREADS": "1", "HS_TEST_TP": str(tp), "HS_TEST_VP": str(vp),
+                                     "HS_TEST_GLOO_GROUPS": "1" if gloo_groups else "0"})
 
 
 _REFERENCE: dict = {}
