@@ -319,7 +319,8 @@ def test_a_member_still_in_a_failed_generation_after_the_grace_is_killed_as_stuc
                                                  spares_per_node=1, stall_grace_s=0.2))
     launcher._open_store()
     store = launcher.store
-    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
+    now = [100.0]  # the coordinator's clock, driven here: no sleeps, no timing of this machine
+    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port, clock=lambda: now[0])
     for r in range(4):
         store.set(f"gen/0/arrived/{r}", "1")
     for wid, node in (("s0.0", 0), ("s1.0", 1)):
@@ -334,26 +335,21 @@ def test_a_member_still_in_a_failed_generation_after_the_grace_is_killed_as_stuc
         return [json.loads(t)["worker"] for t in control.read_list(store, control.KILL_COUNT, "kill/", 0)]
 
     fail("a1", 1)
-    t_alarm = time.monotonic()
     for wid, rank in (("a0", 0), ("a2", 2)):
         control.append(store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(
             control.Waiting(worker=wid, rank=rank, generation=0, rendezvous_timeout_s=1.0))))
-    deadline = time.monotonic() + 10
-    while not store.check(["plan/1"]) and time.monotonic() < deadline:
-        coordinator.step()
-        time.sleep(0.01)
+    coordinator.step()  # the alarm, at 100.0
+    now[0] += 0.1  # the settle window
+    coordinator.step()
     assert control.Plan.from_json(store.get("plan/1")).replaced == {"1": "s0.0"}
     fail("s0.0", 1)  # generation 1 fails while it forms: only ranks 0 and 2 arrived
     store.set("gen/1/arrived/0", "1")
     store.set("gen/1/arrived/2", "1")
-    time.sleep(max(0.0, t_alarm + 0.4 - time.monotonic()))
-    coordinator.step()
-    if time.monotonic() - t_alarm < 0.75:
-        assert kills() == []  # past the grace, not yet four fifths of the others' rendezvous
-    while not kills() and time.monotonic() < deadline:
+    for t in (100.4, 100.79):  # past the grace, not yet four fifths of the others' rendezvous
+        now[0] = t
         coordinator.step()
-        time.sleep(0.01)
-    assert time.monotonic() - t_alarm >= 0.8
+        assert kills() == [], t
+    now[0] = 100.81
     for _ in range(3):
         coordinator.step()
     assert kills() == ["a3"]

@@ -3,6 +3,9 @@ behaviour the shim changes, pinned in one process. The pipeline run it enables (
 1F1B, the distributed optimizer, bitwise reproducible) is tests/test_megatron_pipeline.py."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -22,10 +25,15 @@ def test_an_unknown_megatron_core_version_is_refused_naming_both_versions(monkey
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     with pytest.raises(shim.ShimError, match=r"written for megatron-core 0\.16\.1, and 0\.17\.0 is installed"):
         shim.check_version()
-    if not shim.applied():
-        with pytest.raises(shim.ShimError):
-            shim.apply()
-        assert not shim.applied()  # refused before patching anything
+
+
+def test_apply_on_an_unknown_version_patches_nothing():
+    """In a process of its own: whether this one applied the shim already depends on test order."""
+    code = ("from megatron.core import package_info; package_info.__version__ = '0.17.0'\n"
+            "from hotspare_patches import megatron_core_cpu as shim\n"
+            "try:\n    shim.apply()\nexcept shim.ShimError:\n    print('refused', shim.applied())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "refused False", proc.stdout + proc.stderr[-2000:]
 
 
 def test_the_installed_version_is_the_supported_one():

@@ -14,6 +14,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from . import control
 
@@ -50,8 +51,10 @@ class Coordinator:
     """Node 0's planner. ``spec`` is the job's launch spec (a ``hotspare.launch.LaunchSpec``),
     ``store`` the control store, ``port`` the store's port (named in messages)."""
 
-    def __init__(self, spec, store, world_size: int, port: int):
+    def __init__(self, spec, store, world_size: int, port: int, clock: Callable[[], float] = time.monotonic):
         self.spec, self.store, self.world_size, self.port = spec, store, world_size, port
+        self.clock = clock
+        """Seconds, monotonic: every deadline of the coordinator's is read from it (tests drive one)."""
         self.generation = 0
         """The newest plan's generation."""
         self._fail_read = 0
@@ -91,7 +94,7 @@ class Coordinator:
         if g in self._alarmed:
             return
         self._alarmed.add(g)
-        self._alarm_at[g] = time.monotonic()
+        self._alarm_at[g] = self.clock()
         keys = [control.alarm_key(g, wid) for wid in self._current_plan().workers.values()]
         self.store.multi_set(keys, ["1"] * len(keys))
 
@@ -121,7 +124,7 @@ class Coordinator:
             self._count_takeover(failure)
             if failure.rank >= 0:
                 if not self._pending:
-                    self._pending_since = time.monotonic()
+                    self._pending_since = self.clock()
                 self._pending.append(failure)
                 self._prepare(failure.rank, failure.worker)
                 self._alarm()
@@ -134,7 +137,7 @@ class Coordinator:
         if not self._pending:
             self._find_stalled()
         self._kill_stuck_members()
-        if not self._pending or (time.monotonic() - self._pending_since < self.spec.settle_s
+        if not self._pending or (self.clock() - self._pending_since < self.spec.settle_s
                                  and not self._all_accounted()):
             return
         self._stall_since = None
@@ -152,11 +155,11 @@ class Coordinator:
         raised = [f for f in failures if f.reason == "exit" and f.code > 0]
         early = bool(raised) and not self.store.check([control.TRAINED])
         if not early and choice is None and len(self._spares) >= len(dead) and \
-                time.monotonic() - self._pending_since < self.spec.store_timeout_s:
+                self.clock() - self._pending_since < self.spec.store_timeout_s:
             # Enough spares exist but some are still starting (imports, model build): wait for them.
             self._pending = failures + self._pending
             return
-        if not early and choice is None and time.monotonic() - self._pending_since < self.spec.spare_wait_s:
+        if not early and choice is None and self.clock() - self._pending_since < self.spec.spare_wait_s:
             # Configured to wait for spares: from a replacement node (hotspare-run --spares-only).
             if not self._waiting_for_spares:
                 self._waiting_for_spares = True
@@ -210,7 +213,7 @@ class Coordinator:
             self._spares = [s for s in self._spares if s[0] not in choice.values()]
             plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
                                 failures=[dataclasses.asdict(f) for f in failures], failures_read=self._fail_read)
-            now = time.monotonic()
+            now = self.clock()
             self._promoted.update({w: (r, g, now) for r, w in choice.items()})
             _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
         self._alarm()  # (already done when a failure or a report came in)
@@ -233,7 +236,7 @@ class Coordinator:
             message = self.store.get(control.unfit_key(failure.worker)).decode("utf-8", errors="replace")[:2000]
             self._unfit.setdefault(message, []).append(failure.worker)
         rank, g, since = promoted
-        lived = time.monotonic() - since >= TAKEOVER_LIVED_S
+        lived = self.clock() - since >= TAKEOVER_LIVED_S
         # The generation it was promoted to, or a later one it was carried into (its first was
         # superseded: another failure), caught up: the takeover itself went through.
         for gg in range(g, self.generation + 1):
@@ -291,7 +294,7 @@ class Coordinator:
         waiting = self._waiting.get(g)
         if not waiting or self.store.check([f"plan/{g + 1}"]):
             return
-        now = time.monotonic()
+        now = self.clock()
         if self._stall_since is None:
             self._stall_since = now
         workers = self._current_plan().workers
@@ -330,7 +333,7 @@ class Coordinator:
         rank in a double fault of the fault matrix). Only generations that formed (every rank
         arrived) are looked at: a member of one that did not is in the rendezvous, which the
         next plan ends (:class:`hotspare.generation.Superseded`)."""
-        now = time.monotonic()
+        now = self.clock()
         for g, since in list(self._alarm_at.items()):
             said = [r.rendezvous_timeout_s for r in self._waiting.get(g, {}).values() if r.rendezvous_timeout_s > 0]
             if now - since <= max(self.spec.stall_grace_s, 0.8 * min(said, default=0.0)):
@@ -361,7 +364,7 @@ class Coordinator:
         nodes = set(range(1, self.spec.nnodes)) | {n for _, n in self._spares if n >= self.spec.nnodes}
         if not nodes or self.spec.logical_nodes > 1:
             return
-        now = time.monotonic()
+        now = self.clock()
         for n in sorted(nodes):
             if n in self._lost_nodes:
                 continue

@@ -21,7 +21,7 @@ def build(family: str, *, vocab_size: int = 256, hidden_size: int = 32, num_laye
     if family == "hf_gpt2":
         cfg = transformers.GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=hidden_size,
                                       n_layer=num_layers, n_head=num_heads, resid_pdrop=dropout, embd_pdrop=dropout,
-                                      attn_pdrop=dropout)
+                                      attn_pdrop=dropout, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
         cls = transformers.GPT2LMHeadModel
     elif family == "hf_llama":
         cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
