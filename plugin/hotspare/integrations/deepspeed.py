@@ -636,8 +636,7 @@ class DeepSpeedState:
             opt.reset_partition_gradient_structures()
             opt.micro_step_id = -1
             opt.zero_grad(set_to_none=True)
-            for part in opt.single_partition_of_fp32_groups:
-                part.grad = None
+            _clear_partition_grads(opt.single_partition_of_fp32_groups, getattr(opt, "cpu_offload", False))
         else:
             _reset_zero3(e, opt)
 
@@ -647,6 +646,17 @@ class DeepSpeedState:
         world = dist.get_world_size() if dist.is_initialized() else 1
         num_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
         return nbytes * world / max(1, num_params)
+
+
+def _clear_partition_grads(parts, offload: bool) -> None:
+    """The interrupted step's gradients of the fp32 partitions. ZeRO-Offload keeps each
+    partition's gradient buffer for the whole run (its backward copies into it): zeroed, not
+    dropped."""
+    for part in parts:
+        if offload and part.grad is not None:
+            part.grad.zero_()
+        else:
+            part.grad = None
 
 
 def _reset_backward_state(opt) -> None:
@@ -673,8 +683,7 @@ def _reset_zero3(engine, opt) -> None:
     for key in opt.params_already_reduced:
         opt.params_already_reduced[key] = False
     opt.averaged_gradients.clear()
-    for part in opt.fp32_partitioned_groups_flat:
-        part.grad = None
+    _clear_partition_grads(opt.fp32_partitioned_groups_flat, getattr(opt, "offload_optimizer", False))
     opt._offload_boundary_param_ids = set()
     registry = getattr(engine.module, "ds_inflight_param_registry", None)
     if registry is not None:
