@@ -224,8 +224,8 @@ def bench_one(job, bench, run_dir: str) -> dict:
                                           lose_node=way == "stripe")
         result[way]["num_ranks"] = key
         identical.append(len(ranks) == len(ref) and all(
-            (a["fp32_digest"], a["optimizer_digest"], a.get("state_digest")) ==
-            (b["fp32_digest"], b["optimizer_digest"], b.get("state_digest"))
+            (a["fp32_digest"], a["optimizer_digest"], a["state_digest"]) ==
+            (b["fp32_digest"], b["optimizer_digest"], b["state_digest"])
             and all(_losses(a)[k] == v for k, v in _losses(b).items()) for a, b in zip(ref, ranks)))
     if in_place:
         result["bitwise_identical"] = all(identical)

@@ -377,8 +377,8 @@ def classify(code: int | None, tail: str, ranks: dict, ref: dict, world: int) ->
         return {**row, "outcome": "stopped_cleanly" if clean else "crashed", "note": note[-300:]}
     if sorted(ranks) != list(range(world)):
         return {**row, "outcome": "crashed", "note": f"ranks that wrote results: {sorted(ranks)}"}
-    identical = all((ranks[r]["fp32_digest"], ranks[r]["optimizer_digest"]) ==
-                    (ref[r]["fp32_digest"], ref[r]["optimizer_digest"])
+    identical = all((ranks[r]["fp32_digest"], ranks[r]["optimizer_digest"], ranks[r]["state_digest"]) ==
+                    (ref[r]["fp32_digest"], ref[r]["optimizer_digest"], ref[r]["state_digest"])
                     and all(losses(ref[r]).get(k) == v for k, v in losses(ranks[r]).items()) for r in range(world))
     row["bitwise_identical"] = identical
     if not identical:

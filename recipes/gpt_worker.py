@@ -28,7 +28,7 @@ import hotspare
 from hotspare.env import make_deterministic
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
 from hotspare.snapshot import read_meta
-from hotspare.testing import digest
+from hotspare.testing import digest, statedigest
 from hotspare.testing.data import ByteSampler, load_corpus
 from hotspare.testing import hf
 from hotspare.testing.gpt import GPTConfig
@@ -152,6 +152,7 @@ def main() -> int:
         "losses": [losses[s] for s in steps if s in losses], "first_step": min(losses, default=0),
         "fp32_digest": digest(fp32_partitions(engine)),
         "optimizer_digest": digest(t for _, t in optimizer_state_tensors(engine)),
+        "state_digest": statedigest.deepspeed_engine(engine),
         "fp32_numel": sum(p.numel() for p in fp32_partitions(engine)),
         "num_params": num_params, "tokens_per_step": tokens_per_step,
         "step_s_median": statistics.median(step_times.values()), "total_s": sum(step_times.values()),

@@ -262,7 +262,7 @@ def check_megatron(tmp: str) -> dict:
 
     from hotspare.integrations.megatron import MegatronState
     from hotspare.snapshot import Layout, write_meta
-    from hotspare.testing import mcore_gpt
+    from hotspare.testing import mcore_gpt, statedigest
     from hotspare.testing.gpt import GPTConfig
 
     init_nccl(os.path.join(tmp, "mcore"))
@@ -290,13 +290,14 @@ def check_megatron(tmp: str) -> dict:
             view.copy_(x.reshape(-1))
         write_meta(buf, layout, state.meta())
         first = mcore_gpt.train_iteration(model, opt, sched, batches(1), t, cfg.seq_len)
-        d1 = mcore_gpt.state_digest(opt)
+        d1 = statedigest.megatron(model, opt, sched)
         state.restore(buf, layout)
         state.resync()
         second = mcore_gpt.train_iteration(model, opt, sched, batches(1), t, cfg.seq_len)
-        d2 = mcore_gpt.state_digest(opt)
-        if not (first == second and d1 == d2):
-            raise AssertionError(f"the restored iteration differs: loss {first} vs {second}")
+        d2 = statedigest.megatron(model, opt, sched)
+        if first != second or statedigest.differences(d1, d2):
+            raise AssertionError(f"the restored iteration differs: loss {first} vs {second}, "
+                                 f"state parts {statedigest.differences(d1, d2)}")
         return {"loss_bitwise": True, "state_bitwise": True, "unique_bytes": layout.nbytes,
                 "has_cuda_rng": any(n == "rng.cuda" for n, _ in named)}
     finally:

@@ -34,7 +34,7 @@ from hotspare.env import make_deterministic  # noqa: E402
 import hotspare  # noqa: E402
 from hotspare.integrations import megatron  # noqa: E402
 from hotspare.testing import faults as catalogue  # noqa: E402
-from hotspare.testing import mcore_gpt  # noqa: E402
+from hotspare.testing import mcore_gpt, statedigest  # noqa: E402
 from hotspare.testing import digest  # noqa: E402
 from hotspare.testing.data import ByteSampler, load_corpus  # noqa: E402
 from hotspare.testing.gpt import GPTConfig  # noqa: E402
@@ -181,6 +181,7 @@ def main() -> int:
         "losses_hex": {str(s): float(losses[s]).hex() for s in steps if s in losses},
         "losses": [losses[s] for s in steps if s in losses], "first_step": min(losses, default=0),
         "fp32_digest": digest(shards), "optimizer_digest": digest(moments),
+        "state_digest": statedigest.megatron(model, optimizer, sched),
         "num_params": stage_params, "tokens_per_step": tokens_per_step,
         "step_s_median": statistics.median(step_times.values()) if step_times else 0.0,
         "step_times": [step_times[s] for s in steps if s in step_times],

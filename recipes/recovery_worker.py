@@ -21,8 +21,6 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import warnings  # noqa: E402
 
-import torch  # noqa: E402
-
 import hotspare  # noqa: E402
 from hotspare import faults  # noqa: E402
 from hotspare.env import make_deterministic  # noqa: E402

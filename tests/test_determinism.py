@@ -13,6 +13,7 @@ import pytest
 import gpt_job
 from conftest import ROOT
 from hotspare.config import from_mapping
+from hotspare.testing import statedigest
 
 
 def run_job(out_dir, **overrides):
@@ -64,6 +65,7 @@ def test_the_recipe_recovers_a_killed_rank_bitwise(zero2_reference, tmp_path, no
     for r, (a, b) in enumerate(zip(ref, got)):
         assert b["losses_hex"] == a["losses_hex"][b["first_step"]:], f"rank {r}: losses differ after the recovery"
         assert (b["fp32_digest"], b["optimizer_digest"]) == (a["fp32_digest"], a["optimizer_digest"]), r
+        assert statedigest.differences(a["state_digest"], b["state_digest"]) == [], r
     assert [len(r["recoveries"]) for r in got] == [1, 1, 1, 1]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 import gpt_job
 from hotspare.config import from_mapping
+from hotspare.testing import statedigest
 
 
 def run(out_dir, **cfg):
@@ -45,4 +46,5 @@ def test_committed_copies_equal_their_sources_and_training_is_unchanged(zero, tm
     for a, b in zip(on, off):
         assert a["losses_hex"] == b["losses_hex"] and a["fp32_digest"] == b["fp32_digest"]
         assert a["optimizer_digest"] == b["optimizer_digest"]
+        assert statedigest.differences(a["state_digest"], b["state_digest"]) == []
     assert all(r["mirror"] is None for r in off)

@@ -26,7 +26,7 @@ import torch
 
 import hotspare
 from hotspare.integrations import megatron
-from hotspare.testing import mcore_gpt
+from hotspare.testing import mcore_gpt, statedigest
 from hotspare.testing.gpt import GPTConfig
 from hotspare.worker import worker_id
 from hotspare_patches import megatron_core_cpu
@@ -129,7 +129,7 @@ def main(out: str, iters: int, kill: str) -> None:
     from megatron.core import parallel_state as ps
 
     result = {"rank": rank, "worker": worker_id(), "spare": session.spare, "tp": ps.get_tensor_model_parallel_rank(),
-              "losses": losses, "state": mcore_gpt.state_digest(session.optimizer), "consumed": position.consumed,
+              "losses": losses, "state": statedigest.megatron(session.model, session.optimizer, session.scheduler), "consumed": position.consumed,
               "iteration": session.state.iteration, "recoveries": session.recoveries}
     session.close()
     with open(os.path.join(out, f"{worker_id()}.json"), "w", encoding="utf-8") as f:

@@ -12,7 +12,6 @@ PP = 2
 MODEL = GPTConfig(num_layers=4, hidden_size=32, num_heads=4, seq_len=16, dropout=0.1, vocab_size=128)
 TRAIN = mcore_gpt.MegatronTrain(micro_batch=2, microbatches=4, lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=20,
                                 weight_decay=0.01, grad_clip=1.0, seed=1234, bucket_size=4096)
-state_digest = mcore_gpt.state_digest
 forward_step = mcore_gpt.forward_step
 
 

@@ -7,8 +7,8 @@ Usage: megatron_pp.py OUT ITERS [ROUNDTRIP]. With ROUNDTRIP = i >= 0, every rank
 unique state (hotspare.integrations.megatron.MegatronState, into a snapshot buffer as the mirror
 does) after iteration i, runs iteration i+1, wrecks its shards, Adam moments, scheduler and RNG,
 restores the snapshot and runs iteration i+1 again. Writes OUT/rank<R>.json: per-iteration
-losses (last stage; a replay overwrites), the digest of the rank's fp32 shard and Adam
-moments, the scheduler's step count.
+losses (last stage; a replay overwrites), the digest of the rank's state from megatron-core's
+own view (hotspare.testing.statedigest.megatron), the scheduler's step count.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from hotspare import env
 from hotspare.generation import Generation, join, store_from_env
 from hotspare.integrations.megatron import MegatronState, check_version, distributed_optimizers
 from hotspare.snapshot import Layout, write_meta
+from hotspare.testing import statedigest
 from hotspare_patches import megatron_core_cpu
 
 
@@ -60,9 +61,6 @@ def main(out: str, iters: int, roundtrip: int = -1) -> None:
                             for v in do.optimizer.state[p].values():
                                 v.mul_(3.0)
             sched.step(12345)
-            for do in distributed_optimizers(optimizer):
-                for group in do.optimizer.param_groups:
-                    group["step"] += 100
             torch.manual_seed(999)
             # As from the keeper's device copy: the tensors from a second buffer, the metadata and
             # RNG states from the first, whose other tensors are wrecked (they must not be read).
@@ -76,14 +74,9 @@ def main(out: str, iters: int, roundtrip: int = -1) -> None:
         loss = mcore_gpt.train_iteration([model], optimizer, sched, it)
         if loss is not None:
             losses[it] = loss
-        for do in distributed_optimizers(optimizer):
-            for group in do.optimizer.param_groups:  # a per-group step count, as TE's and Apex's FusedAdam keep
-                group["step"] = group.get("step", 0) + 1
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "pp": ps.get_pipeline_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
-                   "losses": losses, "state": mcore_gpt.state_digest(optimizer), "sched_steps": sched.num_steps,
-                   "group_steps": [g["step"] for do in distributed_optimizers(optimizer)
-                                   for g in do.optimizer.param_groups],
+                   "losses": losses, "state": statedigest.megatron([model], optimizer, sched), "sched_steps": sched.num_steps,
                    "redirects": megatron_core_cpu.redirects()}, f)
     dist.barrier()
     ps.destroy_model_parallel()

@@ -28,6 +28,7 @@ from torch.distributed import distributed_c10d as c10d
 import mcore_gpt
 import hotspare
 from hotspare.integrations import megatron
+from hotspare.testing import statedigest
 from hotspare.testing.groups import dead_groups_held
 from hotspare.worker import worker_id
 from hotspare_patches import megatron_core_cpu
@@ -122,7 +123,7 @@ def main(out: str, iters: int, kill: str, ckpt_every: int = 0) -> None:
 
     result = {"rank": rank, "worker": worker_id(), "spare": session.spare, "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
-              "tp_size": ps.get_tensor_model_parallel_world_size(), "chunks": len(session.model), "losses": losses, "state": mcore_gpt.state_digest(session.optimizer),
+              "tp_size": ps.get_tensor_model_parallel_world_size(), "chunks": len(session.model), "losses": losses, "state": statedigest.megatron(session.model, session.optimizer, session.scheduler),
               "sched_steps": session.scheduler.num_steps, "iteration": session.state.iteration,
               "recoveries": session.recoveries, "stale_group_calls": STALE[0],
               "dead_groups_held": dead_groups_held()}

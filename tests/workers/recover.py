@@ -31,7 +31,7 @@ from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_ten
 from hotspare.testing import statedigest
 from hotspare.testing.groups import dead_groups_held
 from hotspare.worker import worker_id
-from tiny import initialize_kwargs, loss_of, tiny_model_and_config
+from tiny import batch, initialize_kwargs, loss_of, tiny_model_and_config
 
 
 def digest(tensors) -> str:
@@ -84,8 +84,7 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
     @session.resilient
     def train_step(step: int):
         for micro in range(accum):
-            tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1000 * step + 10 * rank
-                                                                                              + micro))
+            tokens = batch(step, rank, micro)
             phase = fault(step, micro)
             if phase == "forward":
                 die()

@@ -74,6 +74,12 @@ def model_name() -> str:
     return os.environ.get("HS_TEST_MODEL", "gpt")
 
 
+def batch(step: int, rank: int, micro: int) -> torch.Tensor:
+    """The tokens of one micro-batch: a function of (step, rank, micro-batch) only, so a replayed
+    step reads the same ones."""
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1000 * step + 10 * rank + micro))
+
+
 def loss_of(engine, tokens):
     if model_name().startswith("hf_"):
         return hf.loss(engine, tokens)

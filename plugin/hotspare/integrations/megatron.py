@@ -202,10 +202,19 @@ class MegatronState:
         # it (the dp_reshardable parameter state carries the live 'step', not the saved one), and
         # torch's Adam would add 1 to that shared tensor once per shard: each shard gets a step
         # of its own with the checkpoint's count (tests/test_megatron_recover.py's fallback).
+        # The checkpoint carries that count in each param group's 'step' too, and the load leaves
+        # it there; torch's Adam never reads or writes it (a run that never failed has none), so
+        # it goes (Apex's and TE's FusedAdam keep their count there instead, and no 'step' in the
+        # per-shard state: theirs stays).
         for do, step in zip(distributed_optimizers(self.optimizer), steps):
+            per_shard = False
             for st in do.optimizer.state.values():
                 if "step" in st:
                     st["step"] = torch.tensor(step, dtype=st["step"].dtype, device=st["step"].device)
+                    per_shard = True
+            if per_shard:
+                for group in do.optimizer.param_groups:
+                    group.pop("step", None)
         self.load_extras(torch.load(extras_path, weights_only=True))
         self.resync()
 

@@ -9,7 +9,6 @@ after it has.
 """
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -172,10 +171,3 @@ def moment_tensors(optimizer) -> list[torch.Tensor]:
                 out += [state["exp_avg"], state["exp_avg_sq"]]
     return out
 
-
-def state_digest(optimizer) -> str:
-    """sha256 of this rank's fp32 shards and Adam moments."""
-    h = hashlib.sha256()
-    for t in shard_tensors(optimizer) + moment_tensors(optimizer):
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()

@@ -96,6 +96,32 @@ def deepspeed_engine(engine) -> dict[str, str]:
     return parts
 
 
+def megatron(model: list, optimizer, scheduler=None) -> dict[str, str]:
+    """One digest per part of a megatron-core rank's state (local; no collective): the model
+    chunks' parameters and buffers, each ``DistributedOptimizer``'s fp32 shards, its inner torch
+    optimizer's ``state_dict()`` (every state entry, ``step`` included, and every param-group
+    entry) and grad scaler, the scheduler's ``state_dict()``, and the RNG states with megatron's
+    tracker's. Read through megatron-core's own attributes, not hotspare's capture."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    inner = getattr(optimizer, "chained_optimizers", None)
+    dos = list(inner) if inner is not None else [optimizer]
+    parts = {"module": of([module_state(chunk) for chunk in model])}
+    for i, do in enumerate(dos):
+        sd = do.optimizer.state_dict()
+        parts[f"optimizer{i}.state"] = of(sd["state"])
+        parts[f"optimizer{i}.param_groups"] = of([{k: v for k, v in g.items() if k != "params"}
+                                                   for g in sd["param_groups"]])
+        parts[f"optimizer{i}.fp32"] = of([list(g) for g in do.shard_fp32_groups]
+                                         + [list(g) for g in do.shard_fp32_from_float16_groups])
+        if getattr(do, "grad_scaler", None) is not None:
+            parts[f"optimizer{i}.grad_scaler"] = of(do.grad_scaler.state_dict())
+    if scheduler is not None:
+        parts["scheduler"] = of(scheduler.state_dict())
+    parts["rng"] = of({**rng_states(), "tracker": mrandom.get_cuda_rng_tracker().get_states()})
+    return parts
+
+
 def differences(a: dict[str, str], b: dict[str, str]) -> list[str]:
     """The parts whose digests differ (or that only one side has)."""
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
