@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_matrix  # noqa: E402
 import gpt_job  # noqa: E402
-from hotspare import control, env  # noqa: E402
+from hotspare import control  # noqa: E402
 from hotspare.config import ConfigError, from_mapping  # noqa: E402
 from hotspare.generation import connect_store  # noqa: E402
 
@@ -117,7 +117,7 @@ def soak(cfg: ChaosConfig, job, out_dir: str) -> tuple[int | None, list[dict], s
                 time.sleep(0.05)
             if proc.poll() is not None:
                 break
-            plan = control.current_plan(store, job.parallel.num_ranks)
+            plan = control.ControlStore(store).current_plan(job.parallel.num_ranks)
             rank = rng.randrange(job.parallel.num_ranks)
             wid = plan.workers[str(rank)]
             pid = fault_matrix.pid_of(spec.job_id, wid)

@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from hotspare import env, identity
+from hotspare import control, env, identity
 from hotspare.generation import Generation, connect_store, join
 from hotspare.launch import interface_of, listen_socket, route_to
 
@@ -25,7 +25,7 @@ def store():
 
 
 def test_a_process_of_another_job_is_refused_at_the_join(store, monkeypatch):
-    store.set(identity.JOB_KEY, "job-a")
+    store.set(control.keys.JOB_ID, "job-a")
     monkeypatch.setenv(env.HOTSPARE_JOB_ID, "job-a")
     identity.check_job(store)  # its own job: fine
     monkeypatch.setenv(env.HOTSPARE_JOB_ID, "job-b")

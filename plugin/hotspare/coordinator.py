@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import signal
 import sys
 import time
@@ -52,7 +51,8 @@ class Coordinator:
     ``store`` the control store, ``port`` the store's port (named in messages)."""
 
     def __init__(self, spec, store, world_size: int, port: int, clock: Callable[[], float] = time.monotonic):
-        self.spec, self.store, self.world_size, self.port = spec, store, world_size, port
+        self.spec, self.world_size, self.port = spec, world_size, port
+        self.store = store if isinstance(store, control.ControlStore) else control.ControlStore(store)
         self.clock = clock
         """Seconds, monotonic: every deadline of the coordinator's is read from it (tests drive one)."""
         self.generation = 0
@@ -81,7 +81,7 @@ class Coordinator:
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
-        while self.store.check([f"plan/{self.generation + 1}"]):
+        while self.store.superseded(self.generation):
             self._alarm()
             self.generation += 1
 
@@ -95,8 +95,7 @@ class Coordinator:
             return
         self._alarmed.add(g)
         self._alarm_at[g] = self.clock()
-        keys = [control.alarm_key(g, wid) for wid in self._current_plan().workers.values()]
-        self.store.multi_set(keys, ["1"] * len(keys))
+        self.store.alarm(g, list(self._current_plan().workers.values()))
 
     @property
     def busy(self) -> bool:
@@ -107,13 +106,10 @@ class Coordinator:
         """One look: new spares, failures and reports in; the next generation's plan out when due."""
         self._follow()
         self._check_nodes()
-        for text in control.read_list(self.store, control.SPARE_COUNT, "spare/", self._spare_read):
-            self._spare_read += 1
-            wid, node = json.loads(text)
-            self._spares.append((wid, node))
-        for text in control.read_list(self.store, control.FAIL_COUNT, "fail/", self._fail_read):
-            self._fail_read += 1
-            failure = control.Failure(**json.loads(text))
+        spares, self._spare_read = self.store.spares(self._spare_read)
+        self._spares += [(s.worker, s.node) for s in spares]
+        failures, self._fail_read = self.store.failures(self._fail_read)
+        for failure in failures:
             self._failed.add(failure.worker)
             self._spares = [s for s in self._spares if s[0] != failure.worker]
             self._prepared = {r: w for r, w in self._prepared.items() if w != failure.worker}
@@ -128,9 +124,8 @@ class Coordinator:
                 self._pending.append(failure)
                 self._prepare(failure.rank, failure.worker)
                 self._alarm()
-        for text in control.read_list(self.store, control.WAIT_COUNT, "wait/", self._wait_read):
-            self._wait_read += 1
-            report = control.Waiting(**json.loads(text))
+        reports, self._wait_read = self.store.waiting(self._wait_read)
+        for report in reports:
             self._waiting.setdefault(report.generation, {})[report.worker] = report
             if report.generation == self.generation:
                 self._alarm()  # a survivor left: nobody need wait out a collective timeout
@@ -153,7 +148,7 @@ class Coordinator:
         choice = None if rest is None else {**kept, **rest}
         g = self.generation + 1
         raised = [f for f in failures if f.reason == "exit" and f.code > 0]
-        early = bool(raised) and not self.store.check([control.TRAINED])
+        early = bool(raised) and not self.store.trained()
         if not early and choice is None and len(self._spares) >= len(dead) and \
                 self.clock() - self._pending_since < self.spec.store_timeout_s:
             # Enough spares exist but some are still starting (imports, model build): wait for them.
@@ -217,11 +212,8 @@ class Coordinator:
             self._promoted.update({w: (r, g, now) for r, w in choice.items()})
             _log(f"generation {g}: " + ", ".join(f"rank {r} -> spare {w}" for r, w in choice.items()))
         self._alarm()  # (already done when a failure or a report came in)
-        self.store.set(f"plan/{g}", plan.to_json())
+        self.store.send_orders(plan)
         self.generation = g
-        for wid in plan.replaced.values():
-            self.store.set(f"order/{wid}", str(g))
-            control.wake(self.store, wid)
 
     def _count_takeover(self, failure: control.Failure) -> None:
         """A promoted spare that fails before its generation caught up (rank 0 back at the step the
@@ -232,8 +224,8 @@ class Coordinator:
         promoted = self._promoted.pop(failure.worker, None)
         if promoted is None:
             return
-        if self.store.check([control.unfit_key(failure.worker)]):
-            message = self.store.get(control.unfit_key(failure.worker)).decode("utf-8", errors="replace")[:2000]
+        message = self.store.unfit(failure.worker)
+        if message is not None:
             self._unfit.setdefault(message, []).append(failure.worker)
         rank, g, since = promoted
         lived = self.clock() - since >= TAKEOVER_LIVED_S
@@ -243,14 +235,14 @@ class Coordinator:
             plan = self._plan_of(gg)
             if plan.abort or failure.worker not in plan.workers.values():
                 break
-            if self.store.check([control.caught_up_key(gg)]) or (lived and self._formed(gg, plan.world_size)):
+            if self.store.caught_up(gg) or (lived and self._formed(gg, plan.world_size)):
                 self._failed_takeovers.pop(rank, None)
                 return
         self._failed_takeovers.setdefault(rank, []).append(failure.worker)
 
     def _formed(self, g: int, world_size: int) -> bool:
         """Every rank of generation ``g`` arrived (``generation.arrive``'s keys)."""
-        return self.store.check([f"gen/{g}/arrived/{r}" for r in range(world_size)])
+        return self.store.arrived(g, world_size)
 
     def _all_accounted(self) -> bool:
         """Every worker of the current generation has failed or reported that it left it: no other
@@ -269,8 +261,8 @@ class Coordinator:
             return
         self._prepared[rank] = pick[rank]
         prepare = control.Prepare(rank, self.world_size, self.generation + 1, replaces)
-        self.store.set(f"prepare/{pick[rank]}", json.dumps(dataclasses.asdict(prepare)))
-        control.wake(self.store, pick[rank])
+        self.store.send_prepare(pick[rank], prepare)
+        self.store.wake(pick[rank])
 
     def _local_only(self, ready: list[tuple[str, int]]) -> set[str]:
         """The ready spares that may take only a rank of their own node (what each said in
@@ -278,12 +270,12 @@ class Coordinator:
         node started with ``--spares-only``) has its devices free, and may take any node's rank."""
         for wid, _ in ready:
             if wid not in self._scope:
-                self._scope[wid] = self.store.get(f"ready/{wid}").decode()
+                self._scope[wid] = self.store.ready_scope(wid) or control.SPARE_ANY
         return {wid for wid, node in ready if self._scope[wid] == control.SPARE_LOCAL and node in self._homes}
 
     def _ready_spares(self) -> list[tuple[str, int]]:
         """Registered spares that wait for an order (imports done, model built)."""
-        return [s for s in self._spares if s[1] not in self._lost_nodes and self.store.check([f"ready/{s[0]}"])]
+        return [s for s in self._spares if s[1] not in self._lost_nodes and self.store.is_ready(s[0])]
 
     def _find_stalled(self) -> None:
         """Survivors left the current generation but no launcher reported a failure: a rank is stuck
@@ -292,7 +284,7 @@ class Coordinator:
         failure); when every active worker reported, the same workers form the next generation."""
         g = self.generation
         waiting = self._waiting.get(g)
-        if not waiting or self.store.check([f"plan/{g + 1}"]):
+        if not waiting or self.store.superseded(g):
             return
         now = self.clock()
         if self._stall_since is None:
@@ -304,7 +296,7 @@ class Coordinator:
             plan = control.Plan(g + 1, self.world_size, dict(workers), failures_read=self._fail_read)
             _log(f"generation {g + 1}: every rank saw a failure and none died (a transient fault); "
                  f"rebuilding with the same workers")
-            self.store.set(f"plan/{g + 1}", plan.to_json())
+            self.store.write_plan(plan)
             self.generation = g + 1
             self._stall_since = None
             return
@@ -317,7 +309,7 @@ class Coordinator:
     def _kill(self, wid: str, detect_s: float, why: str) -> None:
         """Have ``wid``'s launcher kill it as stuck (``kill/``); its failure is then reported as any."""
         _log(f"worker {wid} {why}: killing it as stuck")
-        control.append(self.store, control.KILL_COUNT, "kill/", json.dumps({"worker": wid, "detect_s": detect_s}))
+        self.store.ask_kill(wid, detect_s)
         self._killed.add(wid)
 
     def _kill_stuck_members(self) -> None:
@@ -351,7 +343,7 @@ class Coordinator:
     def _plan_of(self, generation: int) -> control.Plan:
         if generation == 0:
             return control.Plan(0, self.world_size, {str(r): control.active_id(r) for r in range(self.world_size)})
-        return control.Plan.from_json(self.store.get(f"plan/{generation}"))
+        return self.store.plan(generation)
 
     def _current_plan(self) -> control.Plan:
         return self._plan_of(self.generation)
@@ -368,7 +360,7 @@ class Coordinator:
         for n in sorted(nodes):
             if n in self._lost_nodes:
                 continue
-            beat = int(self.store.add(f"node/{n}/hb", 0))
+            beat = self.store.node_beats(n)
             seen = self._node_beats.get(n)
             if beat > 0 and (seen is None or beat != seen[0]):
                 self._node_beats[n] = (beat, now)
@@ -385,4 +377,4 @@ class Coordinator:
         for rank, wid in lost:
             failure = control.Failure(worker=wid, rank=rank, code=-signal.SIGKILL, reason="node",
                                       wall_time=time.time(), detect_s=silent_s)
-            control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
+            self.store.report_failure(failure)

@@ -31,7 +31,7 @@ class Generation:
 
     @property
     def prefix(self) -> str:
-        return f"gen/{self.index}/"
+        return control.keys.generation_prefix(self.index)
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -70,9 +70,9 @@ def arrive(store: dist.Store, gen: Generation, timeout_s: float) -> None:
     Raises :class:`Superseded` when the coordinator's plan for the next generation appears
     first: a member died before it arrived, and waiting for it would wait for the timeout.
     """
-    store.set(f"{gen.prefix}arrived/{gen.rank}", "1")
-    keys = [f"{gen.prefix}arrived/{r}" for r in range(gen.world_size)]
-    newer = f"plan/{gen.index + 1}"
+    store.set(control.keys.arrived(gen.index, gen.rank), "1")
+    keys = [control.keys.arrived(gen.index, r) for r in range(gen.world_size)]
+    newer = control.keys.plan(gen.index + 1)
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         if store.check([newer]):

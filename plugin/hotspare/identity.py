@@ -23,9 +23,8 @@ import sys
 from collections.abc import Mapping
 
 from . import env
+from .control import keys
 
-JOB_KEY = "job/id"
-FINGERPRINT_KEY = "job/fingerprint"
 
 
 class JoinRefused(RuntimeError):
@@ -55,9 +54,9 @@ def check_job(store) -> None:
     """Refuse to join unless the store's job id is this process's (``HOTSPARE_JOB_ID``); a
     process not started by hotspare-run (no id) or a store without one is not checked."""
     mine = os.environ.get(env.HOTSPARE_JOB_ID)
-    if not mine or store is None or not store.check([JOB_KEY]):
+    if not mine or store is None or not store.check([keys.JOB_ID]):
         return
-    theirs = store.get(JOB_KEY).decode()
+    theirs = store.get(keys.JOB_ID).decode()
     if theirs != mine:
         raise JoinRefused(f"this process belongs to job {mine}, but the control store at "
                           f"{os.environ.get(env.HOTSPARE_STORE_HOST, '?')}:{os.environ.get(env.HOTSPARE_STORE_PORT, '?')} "
@@ -69,7 +68,7 @@ def check_fingerprint(store, mine: str, worker: str) -> None:
     """The first worker's fingerprint becomes the job's; refuse any worker whose differs."""
     if store is None:
         return
-    theirs = store.compare_set(FINGERPRINT_KEY, "", mine).decode()
+    theirs = store.compare_set(keys.FINGERPRINT, "", mine).decode()
     if theirs != mine:
         raise JoinRefused(f"worker {worker} runs a different script, config or package version than the job "
                           f"(fingerprint {mine}, the job's {theirs}: over the script's bytes, the config and the "

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
-import json
 import os
 import select
 import signal
@@ -31,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from . import control, env, identity, keeper
+from . import control, env, keeper
 from .coordinator import Coordinator, describe_exit
 
 POLL_INTERVAL_S = 0.02
@@ -274,6 +272,7 @@ class Launcher:
         self._stopping = False
         self._released = False  # spares woken to see "shutdown"
         self._kill_read = 0
+        self._bad_beats: set[str] = set()  # workers whose heartbeat key held something else (said once)
         self.keepers: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
         self.coordinator: Coordinator | None = None  # node 0 only
         self._beat_stop = threading.Event()
@@ -283,6 +282,11 @@ class Launcher:
     def world_size(self) -> int:
         return self.spec.nnodes * self.spec.nproc_per_node
 
+    @property
+    def control(self) -> control.ControlStore:
+        """The control plane's operations on this launcher's store connection."""
+        return control.ControlStore(self.store)
+
     def _open_store(self) -> int:
         import torch.distributed as dist
 
@@ -291,7 +295,7 @@ class Launcher:
         s = self.spec
         if s.node_rank != 0:
             self.store = connect_store(s.master_addr, s.master_port, s.store_timeout_s)
-            theirs = self.store.get(identity.JOB_KEY).decode()
+            theirs = self.store.get(control.keys.JOB_ID).decode()
             if s.job_id and s.job_id != theirs:
                 raise ValueError(f"--job-id={s.job_id}, but the control store at {s.master_addr}:{s.master_port} "
                                  f"serves job {theirs}: start every node's hotspare-run with the same --job-id (or "
@@ -305,7 +309,7 @@ class Launcher:
                                    timeout=datetime.timedelta(seconds=s.store_timeout_s), wait_for_workers=False,
                                    master_listen_fd=listener.fileno())
         listener.detach()  # the store owns the descriptor now and closes it when it goes
-        self.store.set(identity.JOB_KEY, self.job_id)
+        self.store.set(control.keys.JOB_ID, self.job_id)
         return self.store.port
 
     def _beat(self) -> None:
@@ -316,7 +320,7 @@ class Launcher:
         from .generation import connect_store
 
         s = self.spec
-        key, interval = f"node/{s.node_rank}/hb", max(0.1, s.node_timeout_s / 10)
+        interval = max(0.1, s.node_timeout_s / 10)
         self._beat_ok = time.monotonic()
 
         def watch() -> None:
@@ -330,8 +334,8 @@ class Launcher:
         while not self._beat_stop.wait(interval):
             try:
                 if store is None:
-                    store = connect_store(s.master_addr, s.master_port, s.node_timeout_s)
-                store.add(key, 1)
+                    store = control.ControlStore(connect_store(s.master_addr, s.master_port, s.node_timeout_s))
+                store.beat_node(s.node_rank)
                 self._beat_ok = time.monotonic()
             except Exception:  # noqa: BLE001 - any failure to reach the store counts as silence
                 store = None
@@ -421,7 +425,7 @@ class Launcher:
         k = self._spare_counter.get(node, 0)
         self._spare_counter[node] = k + 1
         wid = control.spare_id(node, k)
-        control.append(self.store, control.SPARE_COUNT, "spare/", json.dumps([wid, node]))
+        self.control.register_spare(wid, node)
         return wid
 
     def _spawn_spare(self, wid: str, node: int) -> Worker:
@@ -511,7 +515,7 @@ class Launcher:
         how = {"exit": describe_exit(code), "heartbeat": f"no heartbeat for {detect_s:.1f} s, killed",
                "watchdog": f"stuck (its peers' collectives timed out waiting for it; {detect_s:.1f} s), killed"}[reason]
         _log(f"{what} ({w.wid}, node {w.node}) failed: {how}")
-        control.append(self.store, control.FAIL_COUNT, "fail/", json.dumps(dataclasses.asdict(failure)))
+        self.control.report_failure(failure)
 
     def _gone(self, w: Worker, code: int) -> None:
         """A failed worker's process is gone: ``exited/<wid>`` (a spare taking its device waits for it).
@@ -519,19 +523,25 @@ class Launcher:
         processes, such as megatron-core's checkpoint manager, would otherwise live on)."""
         _signal_group(w.proc, signal.SIGKILL)
         w.finish()
-        self.store.set(control.exited_key(w.wid), str(code))
+        self.control.set_exited(w.wid, code)
 
     def _check_heartbeat(self, w: Worker, now: float) -> None:
-        key = f"hb/{w.wid}"
-        if not self.store.check([key]):
+        try:
+            beat = self.control.beats(w.wid)
+            timeout_s = self.control.beat_timeout(w.wid) if beat is not None and w.beat < 0 <= beat else None
+        except control.BadMessage as exc:  # not the worker's own writing: no beat
+            if w.wid not in self._bad_beats:
+                self._bad_beats.add(w.wid)
+                _log(f"{exc}; not counted as a heartbeat")
             return
-        beat = int(self.store.get(key))
+        if beat is None:
+            return
         if beat < 0:  # the worker said goodbye
             w.beat_timeout = 0.0
             return
         if beat != w.beat:
             if w.beat < 0:
-                w.beat_timeout = float(self.store.get(key + "/timeout"))
+                w.beat_timeout = timeout_s or 0.0
             w.beat, w.beat_seen = beat, now
         elif w.beat_timeout and now - w.beat_seen > w.beat_timeout:
             _signal_group(w.proc, signal.SIGKILL)
@@ -539,16 +549,15 @@ class Launcher:
             self._report(w, w.proc.returncode, "heartbeat", detect_s=now - w.beat_seen)
 
     def _watch(self) -> None:
-        for text in control.read_list(self.store, control.KILL_COUNT, "kill/", self._kill_read):
-            self._kill_read += 1
-            order = json.loads(text)
-            w = self.workers.get(order["worker"])
+        kills, self._kill_read = self.control.kills(self._kill_read)
+        for order in kills:
+            w = self.workers.get(order.worker)
             if w is not None and not w.done:
                 _log(f"worker {w.wid} is stuck; its threads' stacks follow")
                 _dump_stacks(w.proc)
                 _signal_group(w.proc, signal.SIGKILL)
                 w.proc.wait()
-                self._report(w, w.proc.returncode, "watchdog", detect_s=order["detect_s"])
+                self._report(w, w.proc.returncode, "watchdog", detect_s=order.detect_s)
         now = time.monotonic()
         for w in list(self.workers.values()):
             if w.done:
@@ -571,8 +580,8 @@ class Launcher:
 
     def _follow_plans(self) -> None:
         """Apply every new plan: promoted spares of this node become ranks; start their successors."""
-        while self.store.check([f"plan/{self.generation + 1}"]):
-            plan = control.Plan.from_json(self.store.get(f"plan/{self.generation + 1}"))
+        while self.control.superseded(self.generation):
+            plan = self.control.plan(self.generation + 1)
             self.generation = plan.generation
             if plan.abort:
                 if self.exit_code is None:
@@ -594,10 +603,9 @@ class Launcher:
         if not self._successors:
             return
         now = time.monotonic()
-        failures = int(self.store.add(control.FAIL_COUNT, 0))
+        failures = self.control.failure_count()
         for s in list(self._successors):
-            caught_up = any(self.store.check([control.caught_up_key(g)])
-                            for g in range(s.generation, self.generation + 1))
+            caught_up = any(self.control.caught_up(g) for g in range(s.generation, self.generation + 1))
             why = ("the generation caught up" if caught_up else "another failure came" if failures > s.failures_read
                    else f"--successor-wait-s={self.spec.successor_wait_s} ran out" if now >= s.deadline else "")
             if why:
@@ -613,8 +621,9 @@ class Launcher:
                 self.coordinator.step()
             self._follow_plans()
             self._start_successors()
-            if self.exit_code is None and self.store.check([control.ABORT]):
-                _log(f"a worker stopped the job: {self.store.get(control.ABORT).decode()}")
+            aborted = self.control.abort_message() if self.exit_code is None else None
+            if aborted is not None:
+                _log(f"a worker stopped the job: {aborted}")
                 self.exit_code = ABORT_EXIT_CODE
             if self.exit_code is not None:
                 self.stop()
@@ -626,7 +635,7 @@ class Launcher:
                 return 0  # a replacement node whose spares were not needed: released at the end
             if active and all(w.proc.poll() == 0 for w in active):
                 # Training finished: release the spares (they wait for an order or this key).
-                self.store.set(control.SHUTDOWN, "1")
+                self.control.shut_down()
                 self._release_spares()
                 self._stopping = True
                 deadline = time.monotonic() + self.spec.term_grace_s
@@ -639,12 +648,12 @@ class Launcher:
     def _release_spares(self) -> None:
         """Once training finished (any launcher set ``shutdown``): wake this node's waiting spares,
         which then see it and exit."""
-        if self._released or not self.store.check([control.SHUTDOWN]):
+        if self._released or not self.control.is_shut_down():
             return
         self._released = True
         for w in self.workers.values():
             if w.rank < 0 and not w.done:
-                control.wake(self.store, w.wid)
+                self.control.wake(w.wid)
 
     def _pause(self) -> None:
         """Until the next look: ``POLL_INTERVAL_S``, cut short the moment a worker exits (its

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import threading
 import time
@@ -38,7 +37,7 @@ from .recovery import (GenerationFailed, RecoveryError, exchange_holdings, is_di
 from .retain import RetainedSnapshots
 from .snapshot import Layout
 from .setupguard import SetupGuard
-from .sockets import abort_nccl, break_connections
+from .sockets import DRAIN_S, abort_nccl, break_connections
 from .startup import node_ranks, wait_for_takeover
 from .transport import GlooTransport
 from .worker import Heartbeat, wait_for_plan, worker_id
@@ -96,6 +95,11 @@ class Session:
     ``caught_up/<g>`` tells the launchers to start their successor spares (and the coordinator
     that the spares promoted to ``g`` took their ranks)."""
 
+    @property
+    def control(self) -> "control.ControlStore | None":
+        """The control plane's operations on ``store`` (None without one)."""
+        return None if self.store is None else control.ControlStore(self.store)
+
     def __post_init__(self) -> None:
         self._alarm_lock = threading.Lock()
         self._alarmed = -1  # the generation the coordinator's alarm said failed (while this worker trained in it)
@@ -139,7 +143,20 @@ class Session:
                     abort_nccl([r.group for r in self.host_groups()])
                 except Exception:  # noqa: BLE001 - best effort from another thread; the sockets are next
                     pass
-            break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+            self._break_connections()
+
+    def _break_connections(self) -> int:
+        """Shut down every connection but the control store's (sockets.py); returns how many.
+        One still moving a payload when the drain ran out is said: its collective, here and on
+        the peer, waits out the group's timeout (gloo wakes neither end)."""
+        broken = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+        if broken.forced:
+            timeout = self.config.recovery.collective_timeout_s if self.config is not None else 0.0
+            log(f"rank {self.generation.rank}: {broken.forced} connection(s) still carried a payload after "
+                f"{DRAIN_S:g} s and were cut; a collective moving it leaves only at its timeout "
+                f"(recovery.collective_timeout_s={timeout:g})")
+            self.events("cut_mid_payload", connections=broken.forced)
+        return broken.count
 
     def _begin_leaving(self) -> None:
         """The training thread leaves its generation: an alarm for it that comes from now on is
@@ -198,7 +215,7 @@ class Session:
             return  # no step completed in this generation yet, or still replaying
         self._catching_up = None
         try:
-            self.store.set(control.caught_up_key(generation), str(self.step_count()))
+            self.control.set_caught_up(generation, self.step_count())
         except Exception as exc:  # noqa: BLE001 - the launchers start the successors at their bound
             log(f"rank 0: could not tell the launchers that generation {generation} caught up ({exc}); "
                 f"they start the successor spares after --successor-wait-s")
@@ -229,7 +246,7 @@ class Session:
         if self.backend == "gloo":
             # Then the peers blocked on this rank in a collective learn of it at once (with NCCL
             # its communicators are aborted first, in _break_off, which needs the walk).
-            early = break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+            early = self._break_connections()
         self.events("failure_seen", version=failed_at, error=str(error)[:500],
                     error_type=type(error).__name__, timed_out=is_timeout(error))
         log(f"rank {self.generation.rank}: failure seen at step {failed_at}: "
@@ -251,7 +268,7 @@ class Session:
         cfg = self.config.recovery
         while True:
             if plan is None:
-                plan = wait_for_plan(self.store, generation, cfg.rendezvous_timeout_s)
+                plan = wait_for_plan(self.control, generation, cfg.rendezvous_timeout_s)
                 phases.setdefault("plan_s", time.monotonic() - t0)
                 self.events("plan", generation=plan.generation, replaced=plan.replaced, failures=plan.failures,
                             wait_s=time.monotonic() - t0)
@@ -289,7 +306,7 @@ class Session:
             self._report_waiting(generation, error)
         if dist.is_initialized():
             abort_nccl([r.group for r in records])
-        broken = 0 if already_broken else break_connections({env.env_int(env.HOTSPARE_STORE_PORT, 0)})
+        broken = 0 if already_broken else self._break_connections()
         if self.mirror is not None:
             self.mirror.stop()
             self._retired.append(self.mirror)
@@ -319,10 +336,10 @@ class Session:
         # Tell the coordinator at once: a failure no launcher saw (a peer stuck while it keeps
         # beating) is found from which workers do not say this.
         timed_out = is_timeout(error)
-        control.append(self.store, control.WAIT_COUNT, "wait/", json.dumps(dataclasses.asdict(control.Waiting(
+        self.control.report_waiting(control.Waiting(
             worker=worker_id(), rank=self.generation.rank, generation=generation, timed_out=timed_out,
             waited_s=self.config.recovery.collective_timeout_s if timed_out else 0.0,
-            rendezvous_timeout_s=self.config.recovery.rendezvous_timeout_s))))
+            rendezvous_timeout_s=self.config.recovery.rendezvous_timeout_s))
 
     def _take_part(self, plan, records, retained: Mirror | None, phases: dict, t0: float) -> None:
         """Join ``plan``'s generation, rebuild every group, restore, restart mirroring (survivor or spare)."""
@@ -502,7 +519,7 @@ class Session:
             message = (f"{lost}. {where.capitalize()} to fall back on; every rank stops. Add mirror replicas "
                        f"(hotspare.mirror.replicas) or persistent checkpoints (hotspare.checkpoint.every) to "
                        f"survive this failure.")
-            self.store.set(control.ABORT, message)  # every launcher stops its workers: no cascade of spares
+            self.control.abort(message)  # every launcher stops its workers: no cascade of spares
             raise RecoveryError(message) from None
         path = os.path.join(ck.dir, checkpoint.tag_of(step))
         self.events("fallback", version=step, reason=str(lost), checkpoint=path)
@@ -518,21 +535,21 @@ class Session:
         self._reap(leave(background=True))  # the fake group
         t_built = time.monotonic()
         if plan is None:
-            plan = wait_for_takeover(self.store, self.heartbeat)
+            plan = wait_for_takeover(self.control, self.heartbeat)
             if plan.rank_of(worker_id()) != rank:
                 raise RecoveryError(f"spare {worker_id()} built rank {rank}'s state as told, but the plan for "
                                     f"generation {plan.generation} gives it rank {plan.rank_of(worker_id())}")
         self.events("takeover", generation=plan.generation, replaced=plan.replaced)
         self._land(plan, plan.generation, records, None, {"engine_build_s": t_built - t_order}, t_order)
         if self.store is not None:
-            store, wid = self.store, worker_id()
-            self._setup_guard = SetupGuard(lambda message: store.set(control.unfit_key(wid), message)).start()
+            plane, wid = self.control, worker_id()
+            self._setup_guard = SetupGuard(lambda message: plane.set_unfit(wid, message)).start()
 
     def _note_trained(self) -> None:
         """Rank 0, once: the job's first step completed (the coordinator tells a script that fails
         before it from a fault spares can cover)."""
         if not self._trained and self.store is not None and self.generation.rank == 0:
-            self.store.set(control.TRAINED, "1")
+            self.control.mark_trained()
         self._trained = True
 
     def _end_setup(self) -> None:

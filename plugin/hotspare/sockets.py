@@ -26,6 +26,7 @@ import socket
 import struct
 import termios
 import time
+from typing import NamedTuple
 
 FD_DIR = "/proc/self/fd"
 
@@ -102,13 +103,23 @@ def moving(sock: socket.socket) -> bool:
     return queued > 0 or last_data < QUIET_MS
 
 
-def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> int:
-    """Shut down this process's connected TCP sockets, except to or from ``keep_ports``; returns
-    how many. A connection carrying a payload (:func:`moving`) is shut down once it is quiet,
-    or after ``drain_s``: cutting it would leave both ends waiting out their timeout (see the
-    module's docstring). The others are shut down at once."""
+class Broken(NamedTuple):
+    """What :func:`break_connections` did."""
+
+    count: int
+    """Connections shut down."""
+    forced: int
+    """Of those, the ones still carrying a payload when ``drain_s`` ran out: a collective moving
+    it waits out its group's timeout on both ends (gloo does not wake it)."""
+
+
+def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> Broken:
+    """Shut down this process's connected TCP sockets, except to or from ``keep_ports``. A
+    connection carrying a payload (:func:`moving`) is shut down once it is quiet, or after
+    ``drain_s`` (counted as forced): cutting it would leave both ends waiting out their timeout
+    (see the module's docstring). The others are shut down at once."""
     socks = _connections(keep_ports)
-    count = 0
+    count = forced = 0
     deadline = time.monotonic() + drain_s
     try:
         pending = socks
@@ -116,12 +127,14 @@ def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> int:
             last = time.monotonic() >= deadline
             busy = []
             for sock in pending:
-                if not last and moving(sock):
+                still = moving(sock)
+                if still and not last:
                     busy.append(sock)
                     continue
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                     count += 1
+                    forced += still
                 except OSError:
                     pass
             pending = busy
@@ -130,7 +143,7 @@ def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> int:
     finally:
         for sock in socks:
             sock.close()  # the duplicate only
-    return count
+    return Broken(count, forced)
 
 
 def abort_nccl(groups) -> None:

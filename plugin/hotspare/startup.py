@@ -97,7 +97,7 @@ def heartbeat_for(cfg: HotspareConfig, store) -> Heartbeat | None:
     return Heartbeat(worker_id(), cfg.recovery.heartbeat_interval_s, cfg.recovery.heartbeat_timeout_s)
 
 
-def wait_for_takeover(store, heartbeat, prepare: bool = False):
+def wait_for_takeover(store: control.ControlStore, heartbeat, prepare: bool = False):
     try:
         return wait_for_order(store, worker_id(), prepare)
     except Shutdown:
@@ -139,7 +139,8 @@ def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lamb
     warm_up()
     # The coordinator names the rank as soon as the failure is reported (Prepare), so the
     # host's objects are built while it settles and plans; the order (the plan) follows.
-    order = wait_for_takeover(store, heartbeat, prepare=True)
+    ctl = control.ControlStore(store)
+    order = wait_for_takeover(ctl, heartbeat, prepare=True)
     t_order = time.monotonic()
     plan = None
     if isinstance(order, control.Prepare):
@@ -151,8 +152,8 @@ def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lamb
     if replaces and env.configure_accelerator() != "cpu":
         # The failure was reported when its process began to exit; its device memory is
         # released only when it is gone.
-        control.wait_key(store, control.exited_key(replaces), cfg.recovery.rendezvous_timeout_s,
-                         f"the failed worker {replaces} to exit (its device is this spare's)")
+        ctl.wait(control.keys.exited(replaces), cfg.recovery.rendezvous_timeout_s,
+                 f"the failed worker {replaces} to exit (its device is this spare's)")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     # The dead rank's device index on its node (free now that it died). On an accelerator the
     # coordinator gives a spare only its own node's ranks (it said so in ready/<wid>): another

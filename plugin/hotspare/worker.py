@@ -5,7 +5,6 @@ See :mod:`hotspare.control` for the keys.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import sys
 import threading
@@ -57,16 +56,15 @@ class Heartbeat:
     def __init__(self, wid: str, interval_s: float, timeout_s: float, store=None):
         self.wid, self.interval_s = wid, interval_s
         enable_stack_dumps()
-        self._store = store if store is not None else store_from_env()
-        self._store.set(f"hb/{wid}/timeout", str(timeout_s))
+        self._store = control.ControlStore(store if store is not None else store_from_env())
+        self._store.start_beating(wid, timeout_s)
         self._beat = 0
-        self._store.set(f"hb/{wid}", "0")
         self._lock = threading.Condition()
         self._watching: int | None = None
         self._on_superseded = None
         self._listening: int | None = None  # the generation whose alarm key the alarm thread waits on
         self._stop = threading.Event()
-        self._alarm_store = store_from_env() if store is None else None
+        self._alarm_store = control.ControlStore(store_from_env()) if store is None else None
         self._alarm_thread = None
         if self._alarm_store is not None:
             self._alarm_thread = threading.Thread(target=self._listen, name=f"hotspare-alarm-{wid}", daemon=True)
@@ -98,14 +96,14 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             self._beat += 1
             try:
-                self._store.set(f"hb/{self.wid}", str(self._beat))
+                self._store.beat(self.wid, self._beat)
                 g = self._watching
                 # With the alarm thread this check is not needed: the coordinator sets every
                 # worker's alarm before it writes a plan. Without it (a store passed in, whose
                 # connection a blocking wait would hold, or an alarm thread that lost its store
                 # connection) the beat looks for the next plan: one more request per beat.
                 listening = self._alarm_thread is not None and self._alarm_thread.is_alive()
-                if g is not None and not listening and self._store.check([f"plan/{g + 1}"]):
+                if g is not None and not listening and self._store.superseded(g):
                     self._fire(g)
             except Exception:  # noqa: BLE001 - the launcher is gone: nobody is listening
                 return
@@ -121,7 +119,7 @@ class Heartbeat:
                 g = self._watching
                 self._listening = g
             try:
-                self._alarm_store.wait([control.alarm_key(g, self.wid)], control.WAKE_WAIT)
+                self._alarm_store.wait_for_alarm(g, self.wid)
             except Exception:  # noqa: BLE001 - the store is gone (the job ended or its launcher died)
                 return
             if self._stop.is_set():
@@ -136,14 +134,14 @@ class Heartbeat:
             listening = self._listening
         if listening is not None:
             try:  # ends the alarm thread's wait (only this worker waits on its key)
-                self._store.set(control.alarm_key(listening, self.wid), "closed")
+                self._store.end_alarm_wait(listening, self.wid)
             except Exception:  # noqa: BLE001 - the store is gone: so is the wait
                 pass
         self._thread.join(timeout=self.interval_s + 5)
         if self._alarm_thread is not None:
             self._alarm_thread.join(timeout=5)
         try:
-            self._store.set(f"hb/{self.wid}", "-1")
+            self._store.say_goodbye(self.wid)
         except Exception:  # noqa: BLE001
             pass
 
@@ -152,7 +150,7 @@ class Shutdown(Exception):
     """The job ended while this spare waited; the spare exits cleanly."""
 
 
-def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | control.Prepare":
+def wait_for_order(store: control.ControlStore, wid: str, prepare: bool = False) -> "control.Plan | control.Prepare":
     """A spare: announce readiness, then wait (without limit) for a takeover order.
 
     With ``prepare``, returns a :class:`control.Prepare` as soon as the coordinator names the rank
@@ -162,26 +160,27 @@ def wait_for_order(store, wid: str, prepare: bool = False) -> "control.Plan | co
     """
     # On an accelerator a spare can take only a rank of its own node: the dead rank's device is
     # the one it will have (every device of another node belongs to a live rank).
-    store.set(f"ready/{wid}", control.SPARE_LOCAL if env.configure_accelerator() != "cpu" else control.SPARE_ANY)
-    wake = control.wake_key(wid)
+    store.set_ready(wid, control.SPARE_LOCAL if env.configure_accelerator() != "cpu" else control.SPARE_ANY)
     while True:
         # Cleared before the checks: news written after them sets it again and ends the wait at
         # once; news written before them is seen by them (the writers set wake/<wid> last).
-        store.delete_key(wake)
-        if store.check([f"order/{wid}"]):
-            g = int(store.get(f"order/{wid}"))
-            return control.Plan.from_json(store.get(f"plan/{g}"))
-        if prepare and store.check([f"prepare/{wid}"]):
-            return control.Prepare(**json.loads(store.get(f"prepare/{wid}")))
-        if store.check([control.SHUTDOWN]):
+        store.clear_wake(wid)
+        g = store.order_for(wid)
+        if g is not None:
+            return store.plan(g)
+        if prepare:
+            early = store.prepare_for(wid)
+            if early is not None:
+                return early
+        if store.is_shut_down():
             raise Shutdown()
         # Blocks in the store (the GIL released: the heartbeat thread beats on). A polled wait
         # added half its interval to every recovery the spare took part in.
-        store.wait([wake], control.WAKE_WAIT)
+        store.wait_for_wake(wid)
 
 
-def wait_for_plan(store, generation: int, timeout_s: float) -> control.Plan:
+def wait_for_plan(store: control.ControlStore, generation: int, timeout_s: float) -> control.Plan:
     """A survivor after a failure: the coordinator's plan for ``generation``."""
-    text = control.wait_key(store, f"plan/{generation}", timeout_s,
-                            f"the coordinator's plan for generation {generation} (is hotspare-run the launcher?)")
-    return control.Plan.from_json(text)
+    store.wait(control.keys.plan(generation), timeout_s,
+               f"the coordinator's plan for generation {generation} (is hotspare-run the launcher?)")
+    return store.plan(generation)

@@ -1,0 +1,283 @@
+"""``ControlStore``: the few operations the launchers, the coordinator and the workers perform on
+the control store. Nobody else spells a key (:mod:`.keys`) or parses a value (:mod:`.messages`).
+
+A list entry that does not parse is skipped with one line naming its key (it cannot be acted
+on, and it must not stop the job); a single value that does not parse raises
+:class:`~.messages.BadMessage` naming its key.
+"""
+from __future__ import annotations
+
+import datetime
+import sys
+from collections.abc import Sequence
+
+from . import keys
+from .messages import BadMessage, Failure, Kill, Plan, Prepare, Spare, Waiting, parse, to_json
+
+WAKE_WAIT = datetime.timedelta(days=7)
+"""A blocking wait that has no end of its own (a spare's on ``wake/<wid>``, a worker's on its
+alarm): without limit in practice, and short of poll()'s 2**31 ms."""
+
+
+def _log(message: str) -> None:
+    print(f"[hotspare control] {message}", file=sys.stderr, flush=True)
+
+
+class ControlStore:
+    """The control plane's view of a ``torch.distributed.Store`` (``raw``)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    # ---- values -----------------------------------------------------------------------------
+    def _set(self, key: str, value: str) -> None:
+        self.raw.set(key, value)
+
+    def _has(self, key: str) -> bool:
+        return self.raw.check([key])
+
+    def _text(self, key: str) -> str | None:
+        """The value of ``key`` as text, or None if unset."""
+        if not self.raw.check([key]):
+            return None
+        return self.raw.get(key).decode("utf-8", errors="replace")
+
+    def _int(self, key: str) -> int | None:
+        text = self._text(key)
+        if text is None:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise BadMessage(key, f"{text[:80]!r} is not an integer") from None
+
+    def _float(self, key: str) -> float | None:
+        text = self._text(key)
+        if text is None:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value == value or value in (float("inf"), float("-inf")):
+            raise BadMessage(key, f"{text[:80]!r} is not a finite number")
+        return value
+
+    def wait(self, key: str, timeout_s: float, what: str) -> bytes:
+        """``key``'s value once it is set: blocks in the store (woken the moment it is written,
+        the GIL released; no poll delay, one request per waiter). Raises TimeoutError naming
+        ``what``. torch cancels a wait that timed out on the server, so the connection stays
+        usable."""
+        try:
+            self.raw.wait([key], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # torch.distributed.DistStoreError
+            if "timeout" not in str(exc).lower():
+                raise
+            raise TimeoutError(f"waited {timeout_s:g} s for {what} (store key {key!r})") from None
+        return self.raw.get(key)
+
+    # ---- lists ------------------------------------------------------------------------------
+    def _append(self, counter: str, prefix: str, value: str) -> int:
+        index = self.raw.add(counter, 1) - 1
+        self.raw.set(f"{prefix}{index}", value)
+        return index
+
+    def _entries(self, counter: str, prefix: str, start: int, cls) -> tuple[list, int]:
+        """The entries ``start ..`` that are fully written, parsed as ``cls``, and the index to
+        read from next. One that does not parse is skipped, with a line naming its key."""
+        n = self.raw.add(counter, 0)
+        out = []
+        i = start
+        while i < n:
+            key = f"{prefix}{i}"
+            if not self.raw.check([key]):
+                break  # counted but not written yet: read it on the next look
+            try:
+                out.append(parse(cls, self.raw.get(key), key))
+            except BadMessage as exc:
+                _log(f"{exc}; skipped")
+            i += 1
+        return out, i
+
+    def count(self, counter: str) -> int:
+        return int(self.raw.add(counter, 0))
+
+    def report_failure(self, failure: Failure) -> int:
+        return self._append(keys.FAIL_COUNT, keys.FAIL, to_json(failure))
+
+    def failures(self, start: int) -> tuple[list[Failure], int]:
+        return self._entries(keys.FAIL_COUNT, keys.FAIL, start, Failure)
+
+    def failure_count(self) -> int:
+        return self.count(keys.FAIL_COUNT)
+
+    def register_spare(self, wid: str, node: int) -> int:
+        return self._append(keys.SPARE_COUNT, keys.SPARE, to_json(Spare(wid, node)))
+
+    def spares(self, start: int) -> tuple[list[Spare], int]:
+        return self._entries(keys.SPARE_COUNT, keys.SPARE, start, Spare)
+
+    def report_waiting(self, report: Waiting) -> int:
+        return self._append(keys.WAIT_COUNT, keys.WAIT, to_json(report))
+
+    def waiting(self, start: int) -> tuple[list[Waiting], int]:
+        return self._entries(keys.WAIT_COUNT, keys.WAIT, start, Waiting)
+
+    def ask_kill(self, wid: str, detect_s: float) -> int:
+        return self._append(keys.KILL_COUNT, keys.KILL, to_json(Kill(wid, detect_s)))
+
+    def kills(self, start: int) -> tuple[list[Kill], int]:
+        return self._entries(keys.KILL_COUNT, keys.KILL, start, Kill)
+
+    # ---- plans ------------------------------------------------------------------------------
+    def has_plan(self, generation: int) -> bool:
+        return self._has(keys.plan(generation))
+
+    def plan(self, generation: int) -> Plan:
+        key = keys.plan(generation)
+        plan = Plan.from_json(self.raw.get(key), key)
+        if plan.generation != generation:
+            raise BadMessage(key, f"holds the plan of generation {plan.generation}")
+        return plan
+
+    def write_plan(self, plan: Plan) -> None:
+        self._set(keys.plan(plan.generation), plan.to_json())
+
+    def superseded(self, generation: int) -> bool:
+        """Whether generation ``generation`` has a successor (a plan for the next one)."""
+        return self.has_plan(generation + 1)
+
+    def newest_generation(self, since: int = 0) -> int:
+        g = since
+        while self.has_plan(g + 1):
+            g += 1
+        return g
+
+    def current_plan(self, world_size: int) -> Plan:
+        """The newest plan (generation 0's, the initial workers, before any failure)."""
+        g = self.newest_generation()
+        if g == 0:
+            return Plan(0, world_size, {str(r): keys.active_id(r) for r in range(world_size)})
+        return self.plan(g)
+
+    # ---- spares -----------------------------------------------------------------------------
+    def set_ready(self, wid: str, scope: str) -> None:
+        self._set(keys.ready(wid), scope)
+
+    def ready_scope(self, wid: str) -> str | None:
+        """What spare ``wid`` said it can take (SPARE_ANY, SPARE_LOCAL), or None if not ready."""
+        text = self._text(keys.ready(wid))
+        if text is not None and text not in (keys.SPARE_ANY, keys.SPARE_LOCAL):
+            raise BadMessage(keys.ready(wid), f"{text[:80]!r} is neither {keys.SPARE_ANY!r} nor {keys.SPARE_LOCAL!r}")
+        return text
+
+    def is_ready(self, wid: str) -> bool:
+        return self._has(keys.ready(wid))
+
+    def send_prepare(self, wid: str, prepare: Prepare) -> None:
+        self._set(keys.prepare(wid), to_json(prepare))
+
+    def prepare_for(self, wid: str) -> Prepare | None:
+        text = self._text(keys.prepare(wid))
+        return None if text is None else parse(Prepare, text, keys.prepare(wid))
+
+    def send_orders(self, plan: Plan) -> None:
+        """Write ``plan`` and each of its promoted spares' order, then wake them."""
+        self.write_plan(plan)
+        for wid in plan.replaced.values():
+            self._set(keys.order(wid), str(plan.generation))
+            self.wake(wid)
+
+    def order_for(self, wid: str) -> int | None:
+        return self._int(keys.order(wid))
+
+    def wake(self, wid: str) -> None:
+        """Wake spare ``wid`` from its wait (after writing what it must read)."""
+        self._set(keys.wake(wid), "1")
+
+    def wait_for_wake(self, wid: str) -> None:
+        """Block until ``wake/<wid>`` is set, then clear it (the next wake is a new one)."""
+        self.raw.wait([keys.wake(wid)], WAKE_WAIT)
+
+    def clear_wake(self, wid: str) -> None:
+        self.raw.delete_key(keys.wake(wid))
+
+    def set_unfit(self, wid: str, message: str) -> None:
+        self._set(keys.unfit(wid), message)
+
+    def unfit(self, wid: str) -> str | None:
+        text = self._text(keys.unfit(wid))
+        return None if text is None else text[:2000]
+
+    # ---- heartbeats -------------------------------------------------------------------------
+    def beat(self, wid: str, count: int) -> None:
+        self._set(keys.heartbeat(wid), str(count))
+
+    def start_beating(self, wid: str, timeout_s: float) -> None:
+        self._set(keys.heartbeat_timeout(wid), str(timeout_s))
+        self.beat(wid, 0)
+
+    def say_goodbye(self, wid: str) -> None:
+        """Heartbeats end here on purpose (the launcher stops watching them)."""
+        self.beat(wid, -1)
+
+    def beats(self, wid: str) -> int | None:
+        return self._int(keys.heartbeat(wid))
+
+    def beat_timeout(self, wid: str) -> float | None:
+        return self._float(keys.heartbeat_timeout(wid))
+
+    def beat_node(self, node: int) -> int:
+        return int(self.raw.add(keys.node_heartbeat(node), 1))
+
+    def node_beats(self, node: int) -> int:
+        return int(self.raw.add(keys.node_heartbeat(node), 0))
+
+    # ---- the job's flags --------------------------------------------------------------------
+    def alarm(self, generation: int, wids: Sequence[str]) -> None:
+        """Tell every worker in ``wids`` that generation ``generation`` failed (one request)."""
+        names = [keys.alarm(generation, wid) for wid in wids]
+        if names:
+            self.raw.multi_set(names, ["1"] * len(names))
+
+    def wait_for_alarm(self, generation: int, wid: str) -> None:
+        """Block until the coordinator says generation ``generation`` failed (or the worker
+        ended its own wait, closing)."""
+        self.raw.wait([keys.alarm(generation, wid)], WAKE_WAIT)
+
+    def end_alarm_wait(self, generation: int, wid: str) -> None:
+        """A closing worker ends its own alarm thread's wait."""
+        self._set(keys.alarm(generation, wid), "closed")
+
+    def set_exited(self, wid: str, code: int) -> None:
+        self._set(keys.exited(wid), str(code))
+
+    def abort(self, message: str) -> None:
+        self._set(keys.ABORT, message)
+
+    def abort_message(self) -> str | None:
+        return self._text(keys.ABORT)
+
+    def shut_down(self) -> None:
+        self._set(keys.SHUTDOWN, "1")
+
+    def is_shut_down(self) -> bool:
+        return self._has(keys.SHUTDOWN)
+
+    def mark_trained(self) -> None:
+        self._set(keys.TRAINED, "1")
+
+    def trained(self) -> bool:
+        return self._has(keys.TRAINED)
+
+    def set_caught_up(self, generation: int, step: int) -> None:
+        self._set(keys.caught_up(generation), str(step))
+
+    def caught_up(self, generation: int) -> bool:
+        return self._has(keys.caught_up(generation))
+
+    def arrived(self, generation: int, world_size: int) -> bool:
+        """Whether every member of generation ``generation`` arrived in its rendezvous."""
+        return self.raw.check([keys.arrived(generation, r) for r in range(world_size)])
+
+

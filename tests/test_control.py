@@ -1,0 +1,132 @@
+"""The control plane's keys, messages and store operations (hotspare.control), in process on a
+real TCPStore: worker ids round-trip and anything else is refused; each message parses back
+from what it writes and a value of the wrong shape is refused naming its key and field; a list
+entry that does not parse is skipped (named once), not acted on and not fatal."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch.distributed as dist
+
+from hotspare import control
+from hotspare.control import keys
+from hotspare.control.messages import parse
+
+
+@pytest.fixture
+def plane():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield control.ControlStore(store)
+
+
+def test_worker_ids_round_trip_and_nothing_else_parses():
+    assert keys.parse_worker_id(keys.active_id(12)).rank == 12
+    wid = keys.parse_worker_id(keys.spare_id(3, 1))
+    assert (wid.node, wid.k, wid.spare) == (3, 1, True)
+    for bad in ("", "a", "a-1", "a01", "s1", "s1.x", "b3", "a1 ", "../a1", "a1/x", 7, None):
+        with pytest.raises(ValueError, match="not a worker id"):
+            keys.parse_worker_id(bad)
+
+
+MESSAGES = [
+    control.Failure(worker="a1", rank=1, code=-9, reason="exit", wall_time=1.5, detect_s=0.25),
+    control.Prepare(rank=2, world_size=4, generation=1, replaces="a2"),
+    control.Waiting(worker="s0.1", rank=0, generation=3, timed_out=True, waited_s=30.0),
+    control.Spare(worker="s1.0", node=1),
+    control.Kill(worker="a3", detect_s=2.0),
+    control.Plan(generation=2, world_size=2, workers={"0": "a0", "1": "s0.0"}, replaced={"1": "s0.0"},
+                 failures=[{"worker": "a1"}], failures_read=1),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_parses_back_from_what_it_writes(message):
+    assert parse(type(message), control.messages.to_json(message), "k") == message
+
+
+@pytest.mark.parametrize("cls, text, field", [
+    (control.Failure, "not json", "not JSON"),
+    (control.Failure, "[1, 2]", "not a JSON object"),
+    (control.Failure, '{"worker": "a1", "rank": 1, "code": 9, "reason": "exit"}', "missing field(s) ['wall_time']"),
+    (control.Failure, '{"worker": "a1", "rank": 1, "code": 9, "reason": "exit", "wall_time": 1, "x": 2}',
+     "unknown field(s) ['x']"),
+    (control.Failure, '{"worker": "a1", "rank": "1", "code": 9, "reason": "exit", "wall_time": 1}', "'rank'"),
+    (control.Failure, '{"worker": "a1", "rank": true, "code": 9, "reason": "exit", "wall_time": 1}', "'rank'"),
+    (control.Failure, '{"worker": "a1", "rank": 1, "code": 9, "reason": "exit", "wall_time": NaN}', "'wall_time'"),
+    (control.Failure, '{"worker": "x9", "rank": 1, "code": 9, "reason": "exit", "wall_time": 1}', "'worker'"),
+    (control.Plan, '{"generation": 1, "world_size": 1, "workers": {"0": "rm -rf"}}', "'workers'"),
+    (control.Plan, '{"generation": 1, "world_size": 1, "workers": {"x": "a0"}}', "'workers'"),
+    (control.Kill, '{"worker": "a1", "detect_s": Infinity}', "'detect_s'"),
+])
+def test_a_value_of_the_wrong_shape_is_refused_naming_its_key_and_field(cls, text, field):
+    with pytest.raises(control.BadMessage) as info:
+        parse(cls, text, "fail/7")
+    assert "'fail/7'" in str(info.value) and field in str(info.value)
+
+
+def test_a_list_entry_that_does_not_parse_is_skipped_and_named_once(plane, capfd):
+    good = control.Failure(worker="a1", rank=1, code=-9, reason="exit", wall_time=time.time())
+    plane.report_failure(good)
+    index = plane.raw.add(keys.FAIL_COUNT, 1) - 1  # a stranger's entry, through the counter as a writer would
+    plane.raw.set(f"{keys.FAIL}{index}", "{not json")
+    plane.report_failure(good)
+    got, next_index = plane.failures(0)
+    assert got == [good, good] and next_index == 3
+    assert "control store key 'fail/1': not JSON" in capfd.readouterr().err
+    assert plane.failures(next_index) == ([], 3)
+
+
+def test_single_values_of_the_wrong_shape_are_refused_naming_their_key(plane):
+    plane.raw.set(keys.plan(1), json.dumps({"generation": 1, "world_size": 1}))
+    with pytest.raises(control.BadMessage, match="'plan/1': missing field"):
+        plane.plan(1)
+    plane.write_plan(control.Plan(generation=3, world_size=1, workers={"0": "a0"}))
+    plane.raw.set(keys.plan(2), plane.raw.get(keys.plan(3)))
+    with pytest.raises(control.BadMessage, match="'plan/2': holds the plan of generation 3"):
+        plane.plan(2)
+    plane.raw.set(keys.heartbeat("a0"), "many")
+    with pytest.raises(control.BadMessage, match="'hb/a0'"):
+        plane.beats("a0")
+    plane.raw.set(keys.heartbeat_timeout("a0"), "nan")
+    with pytest.raises(control.BadMessage, match="'hb/a0/timeout'.*finite"):
+        plane.beat_timeout("a0")
+    plane.raw.set(keys.ready("s0.0"), "1")
+    with pytest.raises(control.BadMessage, match="'ready/s0.0'"):
+        plane.ready_scope("s0.0")
+
+
+def test_the_newest_plan_and_a_spares_orders(plane):
+    assert plane.current_plan(2) == control.Plan(0, 2, {"0": "a0", "1": "a1"})
+    plan = control.Plan(1, 2, {"0": "a0", "1": "s0.0"}, replaced={"1": "s0.0"})
+    plane.send_orders(plan)
+    assert plane.current_plan(2) == plan and plane.superseded(0) and not plane.superseded(1)
+    assert plane.order_for("s0.0") == 1 and plane.raw.check([keys.wake("s0.0")])
+    assert plane.order_for("s0.1") is None
+
+
+def test_the_coordinator_goes_on_past_entries_that_do_not_parse():
+    """A failure report, a spare and a survivor's report that do not parse (a stranger's, or a
+    bug's) are skipped; the valid ones around them are planned for as usual."""
+    from hotspare import launch
+    from hotspare.coordinator import Coordinator
+
+    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=2, logical_nodes=2,
+                                                 settle_s=0.0))
+    launcher._open_store()
+    plane = control.ControlStore(launcher.store)
+    coordinator = Coordinator(launcher.spec, launcher.store, launcher.world_size, launcher.port)
+    for counter, prefix in ((keys.SPARE_COUNT, keys.SPARE), (keys.FAIL_COUNT, keys.FAIL),
+                            (keys.WAIT_COUNT, keys.WAIT)):
+        plane.raw.set(f"{prefix}{plane.raw.add(counter, 1) - 1}", '{"worker": "a0; kill"}')
+    plane.mark_trained()
+    plane.register_spare("s0.0", 0)
+    plane.set_ready("s0.0", control.SPARE_ANY)
+    plane.report_failure(control.Failure(worker="a1", rank=1, code=-9, reason="exit", wall_time=time.time()))
+    plane.report_waiting(control.Waiting(worker="a0", rank=0, generation=0))
+    deadline = time.monotonic() + 10
+    while not plane.has_plan(1) and time.monotonic() < deadline:
+        coordinator.step()
+        time.sleep(0.01)
+    assert plane.plan(1).replaced == {"1": "s0.0"}
