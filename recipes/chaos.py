@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_matrix  # noqa: E402
 import gpt_job  # noqa: E402
 from hotspare import control  # noqa: E402
+from hotspare.control import auth  # noqa: E402
 from hotspare.config import ConfigError, from_mapping  # noqa: E402
 from hotspare.generation import connect_store  # noqa: E402
 
@@ -99,6 +100,11 @@ def soak(cfg: ChaosConfig, job, out_dir: str) -> tuple[int | None, list[dict], s
                                                                                     "recovery_worker.py")
     spec = gpt_job.launch_spec(job, out_dir, worker=worker, spares_per_node=cfg.spares, mode="hotspare")
     spec.job_id = f"chaos{os.getpid()}"
+    # The soak reads the job's plans as an operator would: with the job's secret.
+    spec.job_secret_file = os.path.join(out_dir, "job.secret")
+    with open(os.open(spec.job_secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(auth.new_secret().hex())
+    signer = auth.Signer(auth.read_secret_file(spec.job_secret_file), spec.job_id)
     log_path = os.path.join(out_dir, "launcher.log")
     kills: list[dict] = []
     t_start = time.monotonic()
@@ -117,7 +123,7 @@ def soak(cfg: ChaosConfig, job, out_dir: str) -> tuple[int | None, list[dict], s
                 time.sleep(0.05)
             if proc.poll() is not None:
                 break
-            plan = control.ControlStore(store).current_plan(job.parallel.num_ranks)
+            plan = control.ControlStore(store, signer).current_plan(job.parallel.num_ranks)
             rank = rng.randrange(job.parallel.num_ranks)
             wid = plan.workers[str(rank)]
             pid = fault_matrix.pid_of(spec.job_id, wid)

@@ -53,8 +53,15 @@ HOST_FAULTS = ("cut", "slow", "node")
 SLOW_MBIT = 20.0
 """The slow link's rate: a step's collectives and mirror copy take about a second on it."""
 TARGETS = ("first", "middle", "last", "spare")
-OUTCOMES = ("recovered", "fell_back", "stopped_cleanly", "wrong", "hung", "crashed")
-ACCEPTABLE = ("recovered", "fell_back", "stopped_cleanly")
+OUTCOMES = ("recovered", "fell_back", "stopped_cleanly", "unaffected", "wrong", "hung", "crashed")
+ACCEPTABLE = ("recovered", "fell_back", "stopped_cleanly", "unaffected")
+CONTROL_PROBES = ("forged_shutdown", "forged_failure", "forged_kill", "forged_abort", "forged_plan", "forged_alarm",
+                  "malformed", "hole", "second_job", "kill_keeper", "kill_launcher")
+"""forged_*: a plain TCPStore client writes that message, unsigned, for a live rank; malformed: a
+value that is not JSON in each list family (fail, spare, wait, kill); hole: each list's counter
+moved with no entry written; second_job: another hotspare-run (another secret) joins as node 1;
+kill_keeper: node 0's keeper SIGKILLed; kill_launcher: hotspare-run SIGKILLed (nothing of the job
+may be alive 15 s later)."""
 RECIPES = os.path.dirname(os.path.abspath(__file__))
 MEGATRON_OVERRIDES = os.path.join(RECIPES, "..", "configs", "framework", "megatron.yaml")
 
@@ -94,6 +101,14 @@ class FaultMatrixConfig(gpt_job.GPTJobConfig):
     """Seconds after training started that the host fault strikes."""
     node_timeout_s: float = 3.0
     """hotspare-run's --node-timeout-s in the hosts mode."""
+    control: bool = False
+    """The control-plane probes (``control_probes``) instead of the catalogue's faults: what a
+    stranger on the store's port, another job or an operator's kill can do to a running job
+    (docs/control-plane.md)."""
+    control_probes: list[str] = field(default_factory=lambda: list(CONTROL_PROBES))
+    """Which control-plane probes to run (CONTROL_PROBES)."""
+    control_steps: int = 40
+    """Training steps of the control mode's job (long enough for a probe to land mid-run)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,6 +119,9 @@ class FaultMatrixConfig(gpt_job.GPTJobConfig):
                     raise ConfigError(f"{key}: {v!r} is not one of {', '.join(allowed)}")
         for case in self.cases:
             parse_case(case)
+        for p in self.control_probes:
+            if p not in CONTROL_PROBES:
+                raise ConfigError(f"control_probes: {p!r} is not one of {', '.join(CONTROL_PROBES)}")
         for f in self.host_faults:
             if f not in HOST_FAULTS:
                 raise ConfigError(f"host_faults: {f!r} is not one of {', '.join(HOST_FAULTS)}")
@@ -199,6 +217,16 @@ def stop(proc: subprocess.Popen, job_id: str) -> None:
             pass
 
 
+def write_secret(out_dir: str) -> str:
+    """A job secret file (owner-only) for the launchers of a job on several nodes."""
+    from hotspare.control import auth
+
+    path = os.path.join(out_dir, "job.secret")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
+        f.write(auth.new_secret().hex())
+    return path
+
+
 def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_s: float, fault: str = "",
                  after_s: float = 0.0) -> tuple[int | None, str, dict]:
     """The job on two hosts (network namespaces), one hotspare-run each (``--nnodes 2``); ``fault``
@@ -210,12 +238,13 @@ def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_
     base = gpt_job.launch_spec(job, out_dir, worker=worker, spares_per_node=spares, mode="hotspare")
     per_node = job.parallel.num_ranks // 2
     info: dict = {}
+    secret_file = write_secret(out_dir)
     with Hosts(2) as hosts:
         procs, logs = [], []
         for i in range(2):
             spec = dataclasses.replace(base, nnodes=2, node_rank=i, nproc_per_node=per_node, logical_nodes=1,
                                        master_addr=hosts.addr(0), master_port=29400, job_id=f"hosts{os.getpid()}",
-                                       node_timeout_s=node_timeout_s)
+                                       node_timeout_s=node_timeout_s, job_secret_file=secret_file)
             logs.append(open(os.path.join(out_dir, f"launcher{i}.log"), "w", encoding="utf-8"))
             argv = hosts.run(i, ["env", *[f"{k}={v}" for k, v in spec.extra_env.items()], sys.executable, "-m",
                                  "hotspare.launch", *spec.to_argv()])
@@ -345,6 +374,168 @@ def hosts_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[dict
     return rows
 
 
+def job_processes(job_id: str) -> list[int]:
+    """Every live process of job ``job_id``: its workers and spares (by their environment) and its
+    keepers (by their command line)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = p.cmdline()
+            if p.environ().get("HOTSPARE_JOB_ID") == job_id or \
+                    any(a == "--job-id" and b == job_id for a, b in zip(cmd, cmd[1:])):
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def keeper_pids(job_id: str) -> list[int]:
+    return [p for p in job_processes(job_id) if "hotspare.keeper" in _cmdline(p)]
+
+
+def _forge(store, probe: str, world: int) -> list[str]:
+    """Write ``probe``'s values into the store, unsigned, as a stranger would; the keys written."""
+    from hotspare import control
+    from hotspare.control import keys
+
+    def entry(counter: str, prefix: str, value: str) -> str:
+        key = f"{prefix}{store.add(counter, 1) - 1}"
+        store.set(key, value)
+        return key
+
+    live = keys.active_id(world - 1)
+    if probe == "forged_shutdown":
+        store.set(keys.SHUTDOWN, "1")
+        return [keys.SHUTDOWN]
+    if probe == "forged_failure":
+        return [entry(keys.FAIL_COUNT, keys.FAIL, control.messages.to_json(control.Failure(
+            worker=live, rank=world - 1, code=-9, reason="exit", wall_time=time.time())))]
+    if probe == "forged_kill":
+        return [entry(keys.KILL_COUNT, keys.KILL, control.messages.to_json(control.Kill(worker=live)))]
+    if probe == "forged_abort":
+        store.set(keys.ABORT, "forged: state lost")
+        return [keys.ABORT]
+    if probe == "forged_plan":
+        workers = {str(r): keys.active_id(r) for r in range(world)}
+        store.set(keys.plan(1), control.Plan(1, world, workers).to_json())
+        return [keys.plan(1)]
+    if probe == "forged_alarm":
+        names = [keys.alarm(0, keys.active_id(r)) for r in range(world)]
+        store.multi_set(names, ["1"] * world)
+        return names
+    if probe == "malformed":
+        return [entry(c, p, "{not json") for c, p in ((keys.FAIL_COUNT, keys.FAIL), (keys.SPARE_COUNT, keys.SPARE),
+                                                     (keys.WAIT_COUNT, keys.WAIT), (keys.KILL_COUNT, keys.KILL))]
+    if probe == "hole":
+        return [f"{p}{store.add(c, 1) - 1}" for c, p in ((keys.FAIL_COUNT, keys.FAIL), (keys.SPARE_COUNT, keys.SPARE),
+                                                        (keys.WAIT_COUNT, keys.WAIT), (keys.KILL_COUNT, keys.KILL))]
+    raise ValueError(probe)
+
+
+def control_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[dict]:
+    """The control-plane probes against the ZeRO 2 job, each in a run of its own, against an
+    uninterrupted run: ``unaffected`` (it finished bitwise as if nothing happened, with no
+    recovery), or for the kills ``stopped_cleanly`` (no process of the job left 15 s later)."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    world = matrix.parallel.num_ranks
+    job = framework_job({**data, "train": {**data["train"], "steps": matrix.control_steps}}, "zero2")
+    ref_dir = os.path.join(run_dir, "control-uninterrupted")
+    code, tail = run_job(job, ref_dir, 0, matrix.case_timeout_s)
+    ref = ranks_of(ref_dir)
+    if code != 0 or sorted(ref) != list(range(world)):
+        sys.exit(f"fault_matrix: the uninterrupted control-mode run failed (exit {code}):\n{tail}")
+    worker = os.path.join(RECIPES, "recovery_worker.py")
+    rows = []
+    for probe in matrix.control_probes:
+        out_dir = os.path.join(run_dir, f"control-{probe}")
+        os.makedirs(out_dir, exist_ok=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        spec = gpt_job.launch_spec(job, out_dir, worker=worker, spares_per_node=1, mode="hotspare")
+        spec.job_id, spec.master_port = f"cp{os.getpid()}{probe[:6]}", port
+        log_path = os.path.join(out_dir, "launcher.log")
+        t0 = time.monotonic()
+        info: dict = {}
+        with open(log_path, "w", encoding="utf-8") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "hotspare.launch", *spec.to_argv()], stdout=log,
+                                    stderr=subprocess.STDOUT, env={**os.environ, **spec.extra_env})
+        try:
+            events = os.path.join(out_dir, "events")
+            while proc.poll() is None and not training_started(events) and time.monotonic() - t0 < matrix.case_timeout_s:
+                time.sleep(0.1)
+            info["probe_at_s"] = time.monotonic() - t0
+            if probe.startswith(("forged", "malformed", "hole")):
+                stranger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+                info["keys"] = _forge(stranger, probe, world)
+            elif probe == "second_job":
+                secret = write_secret(out_dir)
+                intruder = subprocess.run([sys.executable, "-m", "hotspare.launch", "--nnodes", "2", "--node-rank", "1",
+                                           "--master-port", str(port), "--job-secret-file", secret, worker],
+                                          capture_output=True, text=True, timeout=120)
+                info["intruder_exit"] = intruder.returncode
+                info["intruder_said"] = intruder.stderr.strip().splitlines()[-1][-300:] if intruder.stderr else ""
+            elif probe == "kill_keeper":
+                keepers = keeper_pids(spec.job_id)
+                info["keeper_killed"] = bool(keepers)
+                if keepers:
+                    os.kill(keepers[0], signal.SIGKILL)
+            elif probe == "kill_launcher":
+                alive_before = len(job_processes(spec.job_id))
+                proc.kill()
+                proc.wait()
+                deadline = time.monotonic() + 15
+                while job_processes(spec.job_id) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                info["alive_after_15s"] = len(job_processes(spec.job_id))
+                info["alive_before"] = alive_before
+            try:
+                code = proc.wait(timeout=max(1.0, matrix.case_timeout_s - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                code = None
+        finally:
+            stop(proc, spec.job_id)
+        tail = open(log_path, encoding="utf-8", errors="replace").read()
+        row = classify(code, tail[-4000:], ranks_of(out_dir), ref, world)
+        if probe == "kill_keeper" and not (info.get("keeper_killed") and "the keeper of node" in tail):
+            row = {**row, "outcome": "wrong", "note": "no keeper was killed, or its launcher did not say so"}
+        elif probe == "kill_launcher":
+            clean = info["alive_after_15s"] == 0 and info["alive_before"] > 0
+            row = {**row, "outcome": "stopped_cleanly" if clean else "wrong",
+                   "note": "nothing of the job alive 15 s after its launcher's SIGKILL" if clean else
+                   f"{info['alive_after_15s']} process(es) of the job alive 15 s after its launcher's SIGKILL"}
+        elif row["outcome"] == "wrong" and row.get("bitwise_identical") and "no recovery took place" in row["note"]:
+            said = "counted in" if probe == "hole" else "not signed"
+            named = all(f"control store key {k!r}: {said}" in tail for k in info.get("keys", []))
+            refused = probe != "second_job" or (info["intruder_exit"] == 2 and "not signed" in info["intruder_said"])
+            row = {**row, "outcome": "unaffected" if named and refused else "wrong",
+                   "note": "finished bitwise as if nothing happened" + ("; every forged key named" if info.get("keys")
+                                                                         else "") if named and refused else
+                   "finished, but a forged key was not named or the intruder was not refused"}
+        rows.append({"case": f"control/{probe}", "fault": probe, "phase": "training", "rank": "-",
+                     "framework": "zero2", **row, "seconds": time.monotonic() - t0, "exit_code": code,
+                     "dir": out_dir, **info})
+        print(f"control/{probe}: {rows[-1]['outcome']} {rows[-1]['note']}", flush=True)
+    return rows
+
+
+def _cmdline(pid: int) -> str:
+    import psutil
+
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
 def ranks_of(out_dir: str) -> dict[int, dict]:
     out = {}
     for path in glob.glob(os.path.join(out_dir, "rank*.json")):
@@ -426,9 +617,10 @@ def main(cfg) -> None:
     matrix = from_mapping(FaultMatrixConfig, data)
     run_dir = HydraConfig.get().runtime.output_dir
     world, per_node = matrix.parallel.num_ranks, matrix.parallel.num_ranks // matrix.parallel.logical_nodes
-    cases = [] if matrix.hosts else (matrix.cases or product(matrix, world, per_node))
+    cases = [] if matrix.hosts or matrix.control else (matrix.cases or product(matrix, world, per_node))
     refs: dict[str, dict] = {}
-    rows = hosts_mode(matrix, data, run_dir) if matrix.hosts else []
+    rows = hosts_mode(matrix, data, run_dir) if matrix.hosts else control_mode(matrix, data, run_dir) \
+        if matrix.control else []
     for i, case in enumerate(cases):
         framework, faults = parse_case(case)
         job = framework_job(data, framework)

@@ -66,6 +66,11 @@ class ParallelConfig:
         if self.logical_nodes < 1 or self.num_ranks % self.logical_nodes:
             raise ValueError(f"parallel.logical_nodes={self.logical_nodes} must divide "
                              f"parallel.num_ranks={self.num_ranks}")
+        if not self.store_timeout_s > 0:
+            raise ValueError(f"parallel.store_timeout_s={self.store_timeout_s} must be > 0")
+        if not self.collective_timeout_s >= 1:
+            raise ValueError(f"parallel.collective_timeout_s={self.collective_timeout_s} must be at least 1 (seconds: "
+                             f"a collective given less fails whenever a peer is a moment late)")
 
 
 @dataclass
@@ -128,6 +133,11 @@ class TrainConfig:
         for key in ("steps", "micro_batch", "grad_accum", "log_interval"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key}={getattr(self, key)} must be at least 1")
+        if not self.lr > 0:
+            raise ValueError(f"train.lr={self.lr} must be > 0")
+        for key in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key}={getattr(self, key)} must be >= 0")
 
 
 @dataclass

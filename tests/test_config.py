@@ -50,6 +50,8 @@ def test_valid_mapping_round_trips():
     ({"name": "a", "inner": {"count": True}}, "inner.count: expected an integer, got bool True"),
     ({"name": "a", "flag": 1}, "flag: expected true or false, got int 1"),
     ({"name": "a", "inner": {"ratio": "x"}}, "inner.ratio: expected a number"),
+    ({"name": "a", "inner": {"ratio": float("nan")}}, "inner.ratio: expected a finite number, got nan"),
+    ({"name": "a", "inner": {"ratio": float("-inf")}}, "inner.ratio: expected a finite number, got -inf"),
     ({"name": "a", "tags": "x"}, "tags: expected a list of str"),
     ({"name": "a", "tags": [1]}, "tags[0]: expected a string"),
     ({"name": "a", "inner": 3}, "inner: expected a mapping for Inner"),
@@ -70,6 +72,14 @@ def test_deepspeed_section_split_and_validated(tmp_path):
     path.write_text(json.dumps(ds))
     assert split_deepspeed_config(str(path)) == (rest, hs)
     assert split_deepspeed_config({"a": 1}) == ({"a": 1}, None)
+    path.write_text('{"hotspare": {"retain": {"budget_mb": NaN}}}')
+    with pytest.raises(ConfigError, match="hotspare.retain.budget_mb: expected a finite number, got nan"):
+        split_deepspeed_config(str(path))
+    path.write_text('{"train_micro_batch_size_per_gpu": 2,\n "hotspare": {')
+    with pytest.raises(ConfigError, match=f"DeepSpeed config {path}: not JSON at line 2, column 15"):
+        split_deepspeed_config(str(path))
+    with pytest.raises(ConfigError, match="cannot read it"):
+        split_deepspeed_config(str(tmp_path / "missing.json"))
 
 
 @pytest.mark.parametrize("section, message", [
@@ -96,6 +106,15 @@ def test_recipe_schema_checks(tmp_path):
         from_mapping(gpt_job.GPTJobConfig, {"parallel": {"logical_nodes": 3}})
     with pytest.raises(ConfigError, match="model.hidden_size=65 is not divisible"):
         from_mapping(gpt_job.GPTJobConfig, {"model": {"hidden_size": 65}})
+    for overrides, message in [  # fields outside the hotspare section, once handed to torch as is
+            ({"parallel": {"store_timeout_s": -1}}, "parallel.store_timeout_s=-1.0 must be > 0"),
+            ({"parallel": {"collective_timeout_s": 0.001}}, "parallel.collective_timeout_s=0.001 must be at least 1"),
+            ({"parallel": {"collective_timeout_s": float("inf")}},
+             "parallel.collective_timeout_s: expected a finite number, got inf"),
+            ({"train": {"lr": 0}}, "train.lr=0.0 must be > 0"),
+            ({"train": {"grad_clip": -1}}, "train.grad_clip=-1.0 must be >= 0")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            from_mapping(gpt_job.GPTJobConfig, overrides)
     megatron = {"framework": "megatron", "parallel": {"pipeline_stages": 2}}
     for overrides, message in [
             ({"parallel": {"tensor_parallel": 2}}, "parallel.tensor_parallel=2: model parallelism is the megatron"),

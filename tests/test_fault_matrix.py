@@ -111,3 +111,25 @@ def test_a_spares_node_lost_right_after_it_took_over_from_its_keeper_is_recovere
     events = [json.loads(line) for path in (tmp_path / "case000" / "events").glob("*.jsonl")
               for line in path.read_text().splitlines()]
     assert events and any(e["kind"] == "restore" and e.get("source") == "keeper" for e in events)
+
+
+@pytest.mark.slow  # about 6 minutes: every control-plane probe, each in a run of its own
+def test_control_plane_probes_leave_the_job_unaffected_and_nothing_outlives_a_killed_launcher(tmp_path, no_leaks):
+    """What a stranger on the store's port, another job or a kill can do to a running ZeRO 2 job
+    (docs/control-plane.md): every forged, malformed or half-written control value is named and
+    ignored, a launcher with another secret is refused, and the job ends bitwise as if nothing
+    happened; a SIGKILLed launcher leaves no process of the job alive 15 s later."""
+    import fault_matrix
+
+    out = tmp_path / "c.json"
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "fault_matrix.py"), f"out={out}", "control=true",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == [f"control/{p}" for p in fault_matrix.CONTROL_PROBES]
+    for case, r in rows.items():
+        expected = "stopped_cleanly" if case == "control/kill_launcher" else "unaffected"
+        assert r["outcome"] == expected, (case, r["outcome"], r["note"])
+    assert rows["control/kill_launcher"]["alive_after_15s"] == 0
+    assert rows["control/second_job"]["intruder_exit"] == 2
+    assert proc.returncode == 0

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -33,7 +32,8 @@ def needs_netns(test):
         return fails
     return pytest.mark.skip(reason=f"network namespaces unavailable here: {WHY}")(test)
 
-LISTEN = "import socket,sys;s=socket.socket();s.bind((sys.argv[1],29511));s.listen();c,_=s.accept();print(c.recv(5).decode())"
+LISTEN = ("import socket,sys;s=socket.socket();s.bind((sys.argv[1],29511));s.listen();print('up',flush=True);"
+          "c,_=s.accept();print(c.recv(5).decode())")
 SEND = ("import socket,sys\ntry:\n s=socket.create_connection((sys.argv[1],29511),timeout=2);s.send(b'hello');print('sent')"
         "\nexcept OSError as e:\n print(type(e).__name__)")
 
@@ -44,7 +44,7 @@ def test_hosts_reach_each_other_only_while_their_link_is_up_and_leave_nothing_be
     with netns.Hosts(2, tag="hstest") as hosts:
         server = subprocess.Popen(hosts.run(0, [sys.executable, "-c", LISTEN, hosts.addr(0)]), stdout=subprocess.PIPE,
                                   text=True)
-        time.sleep(0.5)
+        assert server.stdout.readline().strip() == "up"  # listening: the send below has someone to reach
         sent = subprocess.run(hosts.run(1, [sys.executable, "-c", SEND, hosts.addr(0)]), capture_output=True,
                               text=True, timeout=30)
         assert sent.stdout.strip() == "sent" and server.communicate(timeout=10)[0].strip() == "hello"

@@ -11,26 +11,43 @@ import pytest
 import torch.distributed as dist
 
 from hotspare import control, env, identity
+from hotspare.control import auth
 from hotspare.generation import Generation, connect_store, join
 from hotspare.launch import interface_of, listen_socket, route_to
 
 
 @pytest.fixture
-def store():
+def store(monkeypatch):
+    """A control store, and this process's environment: job job-a's secret."""
     listener = listen_socket("127.0.0.1", 0)
     master = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=5), master_listen_fd=listener.fileno())
     listener.detach()
+    monkeypatch.setenv(env.HOTSPARE_JOB_SECRET, SECRET.hex())
+    monkeypatch.setenv(env.HOTSPARE_JOB_ID, "job-a")
     yield master
 
 
+SECRET = auth.new_secret()
+
+
 def test_a_process_of_another_job_is_refused_at_the_join(store, monkeypatch):
-    store.set(control.keys.JOB_ID, "job-a")
-    monkeypatch.setenv(env.HOTSPARE_JOB_ID, "job-a")
+    control.ControlStore(store, auth.Signer(SECRET, "job-a")).publish_job("job-a")
     identity.check_job(store)  # its own job: fine
     monkeypatch.setenv(env.HOTSPARE_JOB_ID, "job-b")
     with pytest.raises(identity.JoinRefused, match="belongs to job job-b, but the control store .* serves job job-a"):
         join(store, Generation(0, 0, 1), "gloo", 5.0)
+    assert not dist.is_initialized()
+
+
+def test_a_process_without_the_jobs_secret_is_refused_at_the_join(store, monkeypatch):
+    control.ControlStore(store, auth.Signer(SECRET, "job-a")).publish_job("job-a")
+    monkeypatch.setenv(env.HOTSPARE_JOB_SECRET, auth.new_secret().hex())
+    with pytest.raises(identity.JoinRefused, match="not signed with this process's job secret"):
+        join(store, Generation(0, 0, 1), "gloo", 5.0)
+    monkeypatch.delenv(env.HOTSPARE_JOB_SECRET)
+    with pytest.raises(identity.JoinRefused, match="HOTSPARE_JOB_SECRET is not set"):
+        identity.check_job(store)
     assert not dist.is_initialized()
 
 

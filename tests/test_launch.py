@@ -2,6 +2,7 @@
 Starts real processes (tiny Python scripts) on 127.0.0.1; no DeepSpeed."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -57,6 +58,56 @@ def test_parse_args_mirrors_torchrun():
 def test_bad_launch_specs(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         launch.LaunchSpec(script=["x.py"], **kwargs).validate()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--master-port", "-5"], "--master-port=-5 is not a port"),
+    (["--master-port", "70000"], "--master-port=70000 is not a port"),
+    (["--store-timeout", "0"], "--store-timeout=0.0 must be a finite number > 0"),
+    (["--store-timeout", "inf"], "--store-timeout=inf must be a finite number > 0"),
+    (["--node-timeout-s", "nan"], "--node-timeout-s=nan must be a finite number > 0"),
+    (["--successor-wait-s", "-1"], "--successor-wait-s=-1.0 must be a finite number >= 0"),
+    (["--nnodes", "2", "--master-port", "29500"], "--job-secret-file (or HOTSPARE_JOB_SECRET_FILE) is required"),
+    (["--job-secret-file", "/nonexistent/secret"], "--job-secret-file /nonexistent/secret: cannot read it"),
+    ([], "the training script '/nonexistent/train.py' does not exist"),
+])
+def test_bad_flags_stop_the_launcher_with_one_line_naming_them(argv, message, capfd):
+    """hotspare-run's flags are checked before anything starts: exit code 2, one line, no trace."""
+    assert launch.main([*argv, "/nonexistent/train.py"]) == 2
+    err = capfd.readouterr().err
+    assert f"[hotspare-run] error: {message}" in err and "Traceback" not in err, err
+
+
+def test_an_address_that_does_not_resolve_is_named(monkeypatch):
+    import socket
+
+    def fail(*_args, **_kwargs):  # (no lookup leaves this machine)
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    with pytest.raises(ValueError, match="--master-addr='node0.example' does not resolve"):
+        launch.LaunchSpec(script=["x.py"], master_addr="node0.example").validate()
+
+
+def test_a_stale_extension_build_lock_is_named_and_where_torch_builds(tmp_path, capfd, monkeypatch):
+    """A build killed midway leaves torch's lock file: any later worker needing that op would
+    wait for it forever. The launcher names one older than STALE_LOCK_S, with what to do."""
+    from torch.utils import cpp_extension
+
+    for name, age in (("fused_adam", 2 * launch.STALE_LOCK_S), ("cpu_adam", 10.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "lock").touch()
+        os.utime(tmp_path / name / "lock", (time.time() - age, time.time() - age))
+    assert launch.warn_stale_build_locks(str(tmp_path)) == [str(tmp_path / "fused_adam" / "lock")]
+    assert f"rm {tmp_path / 'fused_adam' / 'lock'}" in capfd.readouterr().err
+    # Where torch 2.13 builds (it creates the directory; hotspare computes the same path without).
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    probe = cpp_extension._get_build_directory("hotspare-probe", verbose=False)
+    try:
+        assert os.path.dirname(probe) == launch.extensions_root(os.environ)
+    finally:
+        os.rmdir(probe)
+    assert launch.extensions_root({"TORCH_EXTENSIONS_DIR": "/x"}) == "/x"
 
 
 def test_workers_get_ranks_nodes_and_the_store(tmp_path, no_leaks):
@@ -120,6 +171,29 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, no_leaks):
     assert "received SIGTERM, stopping workers" in err
     gone, alive = psutil.wait_procs(descendants, timeout=10)
     assert not alive, f"left running: {[p.pid for p in alive]}"
+
+
+def test_nothing_outlives_a_killed_launcher(tmp_path, no_leaks):
+    """hotspare-run is SIGKILLed (no handler runs) while its ranks train and a spare waits: the
+    kernel kills every worker with it, and its keeper removes its segments and exits. Once the
+    launcher is gone, its workers are not left training alone."""
+    script = write(tmp_path, "sleep.py", textwrap.dedent("""
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "up." + os.environ["HOTSPARE_WORKER_ID"]), "w").close()
+        time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--spares-per-node",
+                             "1", script, str(tmp_path)], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"up.{w}").exists() for w in ("a0", "a1", "s0.0")):
+        assert time.monotonic() < deadline, "workers never started"
+        time.sleep(0.05)
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    assert len(descendants) == 4  # 2 ranks, a spare, the node's keeper
+    proc.kill()
+    proc.wait(timeout=10)
+    gone, alive = psutil.wait_procs(descendants, timeout=15)
+    assert not alive, f"left running after their launcher died: {[p.cmdline() for p in alive]}"
 
 
 SPARE_SCRIPT = textwrap.dedent("""
@@ -260,9 +334,8 @@ def test_the_coordinator_plans_once_every_worker_is_accounted_for_not_before():
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
                                                  settle_s=30.0))
     launcher._open_store()
-    store = launcher.store
-    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
-    plane = control.ControlStore(store)
+    coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port)
+    plane = launcher.control
     plane.register_spare("s0.0", 0)
     plane.set_ready("s0.0", control.SPARE_ANY)
     plane.report_failure(control.Failure(worker="a1", rank=1, code=-9, reason="exit", wall_time=time.time()))
@@ -285,8 +358,8 @@ def test_the_coordinator_alarms_every_worker_of_a_generation_once_it_learns_that
                                                  settle_s=30.0))
     launcher._open_store()
     store = launcher.store
-    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
-    plane = control.ControlStore(store)
+    coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port)
+    plane = launcher.control
     keys = [control.keys.alarm(0, f"a{r}") for r in range(4)]
     plane.report_failure(control.Failure(worker="s1.0", rank=-1, code=-9, reason="exit", wall_time=time.time()))
     coordinator.step()
@@ -310,8 +383,8 @@ def test_a_member_still_in_a_failed_generation_after_the_grace_is_killed_as_stuc
     launcher._open_store()
     store = launcher.store
     now = [100.0]  # the coordinator's clock, driven here: no sleeps, no timing of this machine
-    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port, clock=lambda: now[0])
-    plane = control.ControlStore(store)
+    coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port, clock=lambda: now[0])
+    plane = launcher.control
     for r in range(4):
         store.set(control.keys.arrived(0, r), "1")
     for wid, node in (("s0.0", 0), ("s1.0", 1)):
@@ -379,7 +452,10 @@ def test_with_spare_wait_the_job_waits_for_a_replacement_node_that_brings_spares
     spares) until a launcher started later with --spares-only registers one, which takes the rank."""
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     port = _free_port()
-    env = {**os.environ, "FAIL_a1": "exit", "RUN_S": "10"}
+    secret = tmp_path / "job.secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    env = {**os.environ, "FAIL_a1": "exit", "RUN_S": "10", "HOTSPARE_JOB_SECRET_FILE": str(secret)}
     log = tmp_path / "job.log"
     with open(log, "w") as out:
         job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--master-port",
@@ -406,10 +482,78 @@ def test_with_spare_wait_the_job_waits_for_a_replacement_node_that_brings_spares
     assert (tmp_path / "done.a0").exists()
 
 
+def test_a_stranger_on_the_store_port_cannot_act_on_the_job(tmp_path, no_leaks):
+    """A plain TCPStore client writes what the job acts on, unsigned: shutdown (once made the
+    spares exit and the launcher report success for an unfinished run), a failure report for a
+    live rank, a kill request, an abort, a plan; and a second hotspare-run with another secret
+    tries to join as node 1. Nothing is carried out: each forged key is named once, the
+    intruding launcher is refused (exit 2), and the job trains to its end (exit 0) with its
+    spare, which sees the real shutdown at the end."""
+    import torch.distributed as dist
+
+    script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    port = _free_port()
+    log = tmp_path / "job.log"
+    env = {**os.environ, "RUN_UNTIL": "go", "RUN_S": "0.5"}
+    with open(log, "w") as out:
+        job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--spares-per-node",
+                                "1", "--master-port", str(port), script, str(tmp_path)], env=env, stderr=out)
+    try:
+        stranger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        deadline = time.monotonic() + 60
+        while not (stranger.check([control.keys.heartbeat("a0"), control.keys.heartbeat("a1")])
+                   and (tmp_path / "started.s0.0").exists()):
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()
+            time.sleep(0.05)
+        stranger.set(control.keys.SHUTDOWN, "1")
+        stranger.set(f"{control.keys.FAIL}{stranger.add(control.keys.FAIL_COUNT, 1) - 1}", control.messages.to_json(
+            control.Failure(worker="a1", rank=1, code=-9, reason="exit", wall_time=time.time())))
+        stranger.set(f"{control.keys.KILL}{stranger.add(control.keys.KILL_COUNT, 1) - 1}",
+                     control.messages.to_json(control.Kill(worker="a0")))
+        stranger.set(control.keys.ABORT, "forged")
+        stranger.set(control.keys.plan(1), control.Plan(1, 2, {"0": "a0", "1": "s0.0"}, replaced={"1": "s0.0"}).to_json())
+        forged = ["'shutdown'", "'fail/0'", "'kill/0'", "'abort'", "'plan/1'"]
+        while not all(f"control store key {k}: not signed" in log.read_text() for k in forged):
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()
+            time.sleep(0.05)
+        other = tmp_path / "other.secret"
+        other.write_text(os.urandom(32).hex())
+        other.chmod(0o600)
+        intruder = subprocess.run([sys.executable, "-m", "hotspare.launch", "--nnodes", "2", "--node-rank", "1",
+                                   "--master-port", str(port), "--job-secret-file", str(other), script, str(tmp_path)],
+                                  capture_output=True, text=True, timeout=60)
+        assert intruder.returncode == 2 and "not signed with this process's job secret" in intruder.stderr, \
+            intruder.stderr
+        (tmp_path / "go").touch()
+        assert job.wait(timeout=60) == 0, log.read_text()
+    finally:
+        job.kill()
+        job.wait()
+    text = log.read_text()
+    assert "failed:" not in text and "stuck" not in text and "stopped the job" not in text, text
+    assert (tmp_path / "shutdown.s0.0").exists() and not list(tmp_path.glob("took.*"))
+    assert all((tmp_path / f"done.a{r}").exists() for r in range(2))
+
+
 def test_spares_only_needs_a_new_node_index_and_the_jobs_store():
     with pytest.raises(ValueError, match="--spares-only joins a running job as a new node"):
         launch.LaunchSpec(script=["x.py"], spares_only=True, spares_per_node=1, master_port=5).validate()
-    launch.LaunchSpec(script=["x.py"], spares_only=True, node_rank=1, spares_per_node=1, master_port=5).validate()
+    launch.LaunchSpec(script=["x.py"], spares_only=True, node_rank=1, spares_per_node=1, master_port=5,
+                      job_secret_file="job.secret").validate()
+
+
+def signed_plane(master, monkeypatch) -> control.ControlStore:
+    """A worker's environment for a store on ``master``'s port with a fresh job secret, and the
+    job's signed view of the store (what the coordinator writes with)."""
+    from hotspare import env
+    from hotspare.control import auth
+
+    secret = auth.new_secret()
+    monkeypatch.setenv(env.HOTSPARE_STORE_HOST, "127.0.0.1")
+    monkeypatch.setenv(env.HOTSPARE_STORE_PORT, str(master.port))
+    monkeypatch.setenv(env.HOTSPARE_JOB_SECRET, secret.hex())
+    monkeypatch.delenv(env.HOTSPARE_JOB_ID, raising=False)
+    return control.ControlStore(master, auth.Signer(secret, ""))
 
 
 def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_close(monkeypatch):
@@ -420,12 +564,10 @@ def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_c
 
     import torch.distributed as dist
 
-    from hotspare import env
     from hotspare.worker import Heartbeat
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv(env.HOTSPARE_STORE_HOST, "127.0.0.1")
-    monkeypatch.setenv(env.HOTSPARE_STORE_PORT, str(master.port))
+    plane = signed_plane(master, monkeypatch)
     fired = []
     event = threading.Event()
 
@@ -436,14 +578,16 @@ def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_c
     hb = Heartbeat("a1", 60.0, 600.0)
     try:
         hb.watch(0, callback)
-        master.set(control.keys.alarm(0, "a1"), "1")
+        plane.alarm(0, ["a1"])
         assert event.wait(10) and len(fired) == 1
         hb.watch(None)  # recovering: generation 1's alarm (a failure while it forms) is not for it
         event.clear()
-        master.set(control.keys.alarm(1, "a1"), "1")
+        plane.alarm(1, ["a1"])
         assert not event.wait(0.3)
         hb.watch(2, callback)
-        master.set(control.keys.alarm(2, "a1"), "1")
+        master.set(control.keys.alarm(2, "a1"), "1")  # a stranger's alarm: unsigned, ignored
+        assert not event.wait(0.3)
+        plane.alarm(2, ["a1"])
         assert event.wait(10) and len(fired) == 2
         hb.watch(3, callback)
         deadline = time.monotonic() + 10
@@ -464,19 +608,17 @@ def test_a_beat_looks_for_the_next_plan_only_without_the_alarm_thread(monkeypatc
 
     import torch.distributed as dist
 
-    from hotspare import env
     from hotspare.worker import Heartbeat
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv(env.HOTSPARE_STORE_HOST, "127.0.0.1")
-    monkeypatch.setenv(env.HOTSPARE_STORE_PORT, str(master.port))
+    plane = signed_plane(master, monkeypatch)
     for alarm_thread in (True, False):
         event = threading.Event()
         store = None if alarm_thread else dist.TCPStore("127.0.0.1", master.port, is_master=False)
         hb = Heartbeat("a1", 0.02, 600.0, store=store)
         try:
             hb.watch(0, event.set)
-            master.set(control.keys.plan(1), "{}")
+            plane.write_plan(control.Plan(1, 2, {"0": "a0", "1": "a1"}))
             assert event.wait(0.5 if alarm_thread else 10) is not alarm_thread
         finally:
             hb.close()
@@ -511,9 +653,8 @@ def _coordinator_with_spares(count: int, trained: bool = True, **spec):
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
                                                  spares_per_node=4, settle_s=0.0, **spec))
     launcher._open_store()
-    store = launcher.store
-    coordinator = Coordinator(launcher.spec, store, launcher.world_size, launcher.port)
-    plane = control.ControlStore(store)
+    coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port)
+    plane = launcher.control
     if trained:
         plane.mark_trained()
     for wid in [f"s0.{i}" for i in range(count)]:

@@ -267,7 +267,8 @@ def test_an_alarm_that_comes_after_the_training_thread_began_leaving_is_dropped(
 
 
 @pytest.mark.parametrize("failed_at, landed", [(5, 4), (5, 5), (-1, 3)], ids=["lost-1", "lost-0", "spare-at-rank-0"])
-def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_interrupted_step(failed_at, landed):
+def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_interrupted_step(failed_at, landed,
+                                                                                               monkeypatch):
     """Rank 0 after a recovery writes ``caught_up/<g>`` (successors start; the coordinator counts
     the takeover as done) only once a step completed in the new generation and the count is
     back at the step the failure interrupted: not after a resilient call that stepped nothing
@@ -280,8 +281,15 @@ def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_in
         def step_count(self):
             return self.count
 
+    from hotspare import control, env
+    from hotspare.control import auth
+
+    secret = auth.new_secret()
+    monkeypatch.setenv(env.HOTSPARE_JOB_SECRET, secret.hex())  # as hotspare-run gives its workers
+    monkeypatch.delenv(env.HOTSPARE_JOB_ID, raising=False)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
+    plane = control.ControlStore(store, auth.Signer(secret, ""))
     s = Counted(config=None, generation=Generation(2, 0, 4), store=store)
     s._catching_up = (2, failed_at, landed)
 
@@ -291,11 +299,11 @@ def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_in
     said = []
     for _ in s.steps(landed + 3):
         s.resilient(lambda: None)()  # a hook made resilient: no step
-        said.append(store.check(["caught_up/2"]))
+        said.append(plane.caught_up(2))
         s.resilient(step)()
     first = landed + said.index(True)  # the count when it was first said
     assert first == max(failed_at, landed + 1), (first, said)
-    assert store.get("caught_up/2") == str(first).encode() and s._catching_up is None
+    assert plane._text(control.keys.caught_up(2)) == str(first) and s._catching_up is None
 
 
 ABORT = """import datetime, torch, torch.distributed as dist

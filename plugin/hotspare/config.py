@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -255,6 +256,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -309,8 +312,15 @@ def split_deepspeed_config(ds_config: Mapping[str, Any] | str) -> tuple[dict[str
     Returns ``None`` for the section when the config has none: hotspare is then off.
     """
     if isinstance(ds_config, str):
-        with open(ds_config, encoding="utf-8") as f:
-            ds_config = json.load(f)
+        path = ds_config
+        try:
+            with open(path, encoding="utf-8") as f:
+                ds_config = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"DeepSpeed config {path}: cannot read it ({exc.strerror})") from None
+        except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+            where = f" at line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+            raise ConfigError(f"DeepSpeed config {path}: not JSON{where} ({getattr(exc, 'msg', exc)})") from None
     if not isinstance(ds_config, Mapping):
         raise ConfigError(f"DeepSpeed config must be a mapping or a JSON file path, got {type(ds_config).__name__}")
     rest = {k: v for k, v in ds_config.items() if k != DEEPSPEED_SECTION}

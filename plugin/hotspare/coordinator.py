@@ -52,7 +52,10 @@ class Coordinator:
 
     def __init__(self, spec, store, world_size: int, port: int, clock: Callable[[], float] = time.monotonic):
         self.spec, self.world_size, self.port = spec, world_size, port
-        self.store = store if isinstance(store, control.ControlStore) else control.ControlStore(store)
+        if not isinstance(store, control.ControlStore):
+            raise TypeError("the coordinator reads and writes the control store through a ControlStore "
+                            "(hotspare.control), which signs and checks every value")
+        self.store = store
         self.clock = clock
         """Seconds, monotonic: every deadline of the coordinator's is read from it (tests drive one)."""
         self.generation = 0

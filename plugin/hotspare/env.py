@@ -22,6 +22,8 @@ HOTSPARE_ROLE = "HOTSPARE_ROLE"
 HOTSPARE_WORKER_ID = "HOTSPARE_WORKER_ID"
 # Unix socket of this (logical) node's keeper (hotspare.keeper).
 HOTSPARE_KEEPER_SOCKET = "HOTSPARE_KEEPER_SOCKET"
+# The job secret (hex) that signs every control-store value (hotspare.control.auth); never logged.
+HOTSPARE_JOB_SECRET = "HOTSPARE_JOB_SECRET"
 # Seconds a worker waits for the store and for the first rendezvous.
 HOTSPARE_STORE_TIMEOUT_S = "HOTSPARE_STORE_TIMEOUT_S"
 

@@ -72,10 +72,12 @@ def arrive(store: dist.Store, gen: Generation, timeout_s: float) -> None:
     """
     store.set(control.keys.arrived(gen.index, gen.rank), "1")
     keys = [control.keys.arrived(gen.index, r) for r in range(gen.world_size)]
-    newer = control.keys.plan(gen.index + 1)
+    # A next plan counts only signed by the job (a process not started by hotspare-run, with no
+    # secret, has no coordinator: any plan key then does).
+    plane = control.ControlStore(store) if os.environ.get(env.HOTSPARE_JOB_SECRET) else None
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
-        if store.check([newer]):
+        if plane.superseded(gen.index) if plane is not None else store.check([control.keys.plan(gen.index + 1)]):
             raise Superseded(gen.index, gen.index + 1)
         if time.monotonic() > deadline:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]

@@ -23,7 +23,8 @@ import sys
 from collections.abc import Mapping
 
 from . import env
-from .control import keys
+from .control import BadMessage, ControlStore
+from .control.auth import SecretError
 
 
 
@@ -51,13 +52,19 @@ def fingerprint(config: Mapping | None, versions: Mapping[str, str] | None = Non
 
 
 def check_job(store) -> None:
-    """Refuse to join unless the store's job id is this process's (``HOTSPARE_JOB_ID``); a
-    process not started by hotspare-run (no id) or a store without one is not checked."""
+    """Refuse to join unless the store's job id is this process's (``HOTSPARE_JOB_ID``), signed
+    with this process's job secret; a process not started by hotspare-run (no id) or a store
+    without one is not checked."""
     mine = os.environ.get(env.HOTSPARE_JOB_ID)
-    if not mine or store is None or not store.check([keys.JOB_ID]):
+    if not mine or store is None:
         return
-    theirs = store.get(keys.JOB_ID).decode()
-    if theirs != mine:
+    try:
+        theirs = ControlStore(store).job_id()
+    except (BadMessage, SecretError) as exc:
+        raise JoinRefused(f"this process (job {mine}) cannot join the job at "
+                          f"{os.environ.get(env.HOTSPARE_STORE_HOST, '?')}:{os.environ.get(env.HOTSPARE_STORE_PORT, '?')}: "
+                          f"{exc}") from None
+    if theirs is not None and theirs != mine:
         raise JoinRefused(f"this process belongs to job {mine}, but the control store at "
                           f"{os.environ.get(env.HOTSPARE_STORE_HOST, '?')}:{os.environ.get(env.HOTSPARE_STORE_PORT, '?')} "
                           f"serves job {theirs}: it is not joining. Check --master-addr/--master-port (or "
@@ -68,7 +75,10 @@ def check_fingerprint(store, mine: str, worker: str) -> None:
     """The first worker's fingerprint becomes the job's; refuse any worker whose differs."""
     if store is None:
         return
-    theirs = store.compare_set(keys.FINGERPRINT, "", mine).decode()
+    try:
+        theirs = ControlStore(store).claim_fingerprint(mine)
+    except (BadMessage, SecretError) as exc:
+        raise JoinRefused(f"worker {worker} cannot join: {exc}") from None
     if theirs != mine:
         raise JoinRefused(f"worker {worker} runs a different script, config or package version than the job "
                           f"(fingerprint {mine}, the job's {theirs}: over the script's bytes, the config and the "

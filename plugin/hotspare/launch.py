@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
+import math
 import os
 import select
 import signal
@@ -30,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from . import control, env, keeper
+from .control import auth
 from .coordinator import Coordinator, describe_exit
 
 POLL_INTERVAL_S = 0.02
@@ -102,6 +105,10 @@ class LaunchSpec:
     advertise_addr: str = ""
     """This node's address for the workers' collectives (gloo, NCCL's bootstrap); empty: the
     address this machine reaches ``master_addr`` from. Logged at start."""
+    job_secret_file: str = ""
+    """The job secret that signs every control-store value (the same owner-only file on every
+    node; ``HOTSPARE_JOB_SECRET_FILE`` when the flag is not given). Empty: node 0 makes one,
+    for a job on one machine only."""
 
     def node_of_rank(self, rank: int) -> int:
         """The (logical) node a rank starts on."""
@@ -130,6 +137,8 @@ class LaunchSpec:
             argv.append("--no-keeper")
         if self.advertise_addr:
             argv.append(f"--advertise-addr={self.advertise_addr}")
+        if self.job_secret_file:
+            argv.append(f"--job-secret-file={self.job_secret_file}")
         script = self.script
         if script and script[0] == "-m":
             argv.append("-m")
@@ -137,6 +146,23 @@ class LaunchSpec:
         return argv + list(script)
 
     def validate(self) -> None:
+        """Every field checked, each error naming its flag (ValueError)."""
+        for flag, value, low in (("--store-timeout", self.store_timeout_s, 0.0), ("--stall-grace-s", self.stall_grace_s, 0.0),
+                                 ("--node-timeout-s", self.node_timeout_s, 0.0)):
+            if not (math.isfinite(value) and value > low):
+                raise ValueError(f"{flag}={value} must be a finite number > {low:g}")
+        for flag, value in (("--spare-wait-s", self.spare_wait_s), ("--successor-wait-s", self.successor_wait_s),
+                            ("term_grace_s", self.term_grace_s), ("settle_s", self.settle_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{flag}={value} must be a finite number >= 0")
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port={self.master_port} is not a port (1-65535; 0: any free one, one node only)")
+        if not self.master_addr:
+            raise ValueError("--master-addr is empty")
+        try:
+            socket.getaddrinfo(self.master_addr, None)
+        except (OSError, UnicodeError) as exc:
+            raise ValueError(f"--master-addr={self.master_addr!r} does not resolve ({exc})") from None
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node={self.nproc_per_node} must be at least 1")
         if self.spares_only:
@@ -146,10 +172,6 @@ class LaunchSpec:
                                  f"{self.spares_per_node}) and the job's --master-addr/--master-port")
         elif self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank={self.node_rank} must be in [0, --nnodes={self.nnodes})")
-        if self.spare_wait_s < 0:
-            raise ValueError(f"--spare-wait-s={self.spare_wait_s} must be >= 0")
-        if self.successor_wait_s < 0:
-            raise ValueError(f"--successor-wait-s={self.successor_wait_s} must be >= 0")
         if self.logical_nodes < 1:
             raise ValueError(f"--logical-nodes={self.logical_nodes} must be at least 1")
         if self.logical_nodes > 1 and self.nnodes > 1:
@@ -159,12 +181,13 @@ class LaunchSpec:
                              f"--logical-nodes={self.logical_nodes}")
         if self.spares_per_node < 0:
             raise ValueError(f"--spares-per-node={self.spares_per_node} must be >= 0")
-        if not self.stall_grace_s > 0:
-            raise ValueError(f"--stall-grace-s={self.stall_grace_s} must be > 0")
-        if not self.node_timeout_s > 0:
-            raise ValueError(f"--node-timeout-s={self.node_timeout_s} must be > 0")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required when --nnodes > 1 (every launcher must find the store)")
+        if (self.nnodes > 1 or self.spares_only) and not self.job_secret_file:
+            raise ValueError("--job-secret-file (or HOTSPARE_JOB_SECRET_FILE) is required when --nnodes > 1 or "
+                             "--spares-only: every node's launcher signs and checks the job's control messages "
+                             "with the same secret (make one: head -c 32 /dev/urandom | xxd -p > FILE; "
+                             "chmod 600 FILE; see docs/control-plane.md)")
         if not self.script:
             raise ValueError("no training script given")
 
@@ -262,7 +285,10 @@ class Launcher:
         spec.validate()
         self.spec = spec
         self.job_id = spec.job_id or uuid.uuid4().hex[:12]
+        secret = auth.read_secret_file(spec.job_secret_file) if spec.job_secret_file else auth.new_secret()
+        self.signer = auth.Signer(secret, self.job_id)
         self.store = None
+        self.control: control.ControlStore | None = None  # signed operations on ``store``, once it is open
         self.advertise_addr, self.advertise_ifname = spec.advertise_addr, ""
         self.port = 0
         self.workers: dict[str, Worker] = {}
@@ -273,6 +299,8 @@ class Launcher:
         self._released = False  # spares woken to see "shutdown"
         self._kill_read = 0
         self._bad_beats: set[str] = set()  # workers whose heartbeat key held something else (said once)
+        self._said_finished: set[int] = set()  # this node's ranks written to finished/<rank>
+        self._keepers_gone: set[int] = set()  # nodes whose keeper exited while the job ran (said once)
         self.keepers: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
         self.coordinator: Coordinator | None = None  # node 0 only
         self._beat_stop = threading.Event()
@@ -282,11 +310,6 @@ class Launcher:
     def world_size(self) -> int:
         return self.spec.nnodes * self.spec.nproc_per_node
 
-    @property
-    def control(self) -> control.ControlStore:
-        """The control plane's operations on this launcher's store connection."""
-        return control.ControlStore(self.store)
-
     def _open_store(self) -> int:
         import torch.distributed as dist
 
@@ -295,12 +318,21 @@ class Launcher:
         s = self.spec
         if s.node_rank != 0:
             self.store = connect_store(s.master_addr, s.master_port, s.store_timeout_s)
-            theirs = self.store.get(control.keys.JOB_ID).decode()
+            try:
+                theirs = control.ControlStore(self.store, self.signer).job_id()
+            except control.BadMessage as exc:
+                raise ValueError(f"the control store at {s.master_addr}:{s.master_port}: {exc}; give every "
+                                 f"node's hotspare-run the same --job-secret-file") from None
+            if theirs is None:
+                raise ValueError(f"the control store at {s.master_addr}:{s.master_port} serves no job yet (node 0's "
+                                 f"hotspare-run writes its id first)")
             if s.job_id and s.job_id != theirs:
                 raise ValueError(f"--job-id={s.job_id}, but the control store at {s.master_addr}:{s.master_port} "
                                  f"serves job {theirs}: start every node's hotspare-run with the same --job-id (or "
                                  f"none: the others take node 0's)")
             self.job_id = theirs
+            self.signer = self.signer.for_job(theirs)
+            self.control = control.ControlStore(self.store, self.signer)
             return s.master_port
         # The store listens on the address the launcher was given only (127.0.0.1 on one
         # machine), not on every interface as TCPStore's own socket would.
@@ -309,7 +341,8 @@ class Launcher:
                                    timeout=datetime.timedelta(seconds=s.store_timeout_s), wait_for_workers=False,
                                    master_listen_fd=listener.fileno())
         listener.detach()  # the store owns the descriptor now and closes it when it goes
-        self.store.set(control.keys.JOB_ID, self.job_id)
+        self.control = control.ControlStore(self.store, self.signer)
+        self.control.publish_job(self.job_id)
         return self.store.port
 
     def _beat(self) -> None:
@@ -330,12 +363,14 @@ class Launcher:
                     self._fence(silent)
 
         threading.Thread(target=watch, name="hotspare-node-fence", daemon=True).start()
-        store = None
+        store, beats = None, 0
         while not self._beat_stop.wait(interval):
             try:
                 if store is None:
-                    store = control.ControlStore(connect_store(s.master_addr, s.master_port, s.node_timeout_s))
-                store.beat_node(s.node_rank)
+                    store = control.ControlStore(connect_store(s.master_addr, s.master_port, s.node_timeout_s),
+                                                 self.signer)
+                beats += 1
+                store.beat_node(s.node_rank, beats)
                 self._beat_ok = time.monotonic()
             except Exception:  # noqa: BLE001 - any failure to reach the store counts as silence
                 store = None
@@ -388,7 +423,7 @@ class Launcher:
             env.HOTSPARE_STORE_HOST: s.master_addr, env.HOTSPARE_STORE_PORT: str(self.port),
             env.HOTSPARE_NODE_RANK: str(node), env.HOTSPARE_NUM_NODES: str(self.num_nodes),
             env.HOTSPARE_JOB_ID: self.job_id, env.HOTSPARE_GENERATION: "0",
-            env.HOTSPARE_STORE_TIMEOUT_S: str(s.store_timeout_s),
+            env.HOTSPARE_STORE_TIMEOUT_S: str(s.store_timeout_s), env.HOTSPARE_JOB_SECRET: self.signer.secret_hex(),
         })
         # NCCL: on a collective timeout abort the communicators and raise in the worker (2,
         # CleanUpOnly) instead of tearing the process down, so a survivor can recover in place.
@@ -404,8 +439,10 @@ class Launcher:
         return worker_env
 
     def _spawn(self, worker_env: dict[str, str]) -> subprocess.Popen:
-        # Own session per worker, so stopping one also stops whatever it spawned.
-        return subprocess.Popen([sys.executable, *self.spec.script], env=worker_env, start_new_session=True)
+        # Own session per worker, so stopping one also stops whatever it spawned; and killed
+        # by the kernel if this launcher dies (nothing trains on without its launcher).
+        return subprocess.Popen([sys.executable, *self.spec.script], env=worker_env, start_new_session=True,
+                                preexec_fn=die_with_parent(os.getpid()))
 
     def _start_active(self, local_rank: int) -> None:
         rank = self.spec.node_rank * self.spec.nproc_per_node + local_rank
@@ -438,13 +475,16 @@ class Launcher:
         return worker
 
     def start(self) -> None:
+        if self.spec.script[0] != "-m" and not os.path.isfile(self.spec.script[0]):
+            raise ValueError(f"the training script {self.spec.script[0]!r} does not exist (looked from {os.getcwd()})")
+        warn_stale_build_locks(extensions_root({**os.environ, **self.spec.extra_env}))
         # Decide DeepSpeed's accelerator once, here, so every worker agrees (DS_ACCELERATOR=cpu
         # when this node has no GPU; a user's own setting is kept).
         env.configure_accelerator()
         self.port = self._open_store()
         self._advertise()
         if self.spec.node_rank == 0:
-            self.coordinator = Coordinator(self.spec, self.store, self.world_size, self.port)
+            self.coordinator = Coordinator(self.spec, self.control, self.world_size, self.port)
         if self.spec.node_rank != 0:
             threading.Thread(target=self._beat, name="hotspare-node-heartbeat", daemon=True).start()
         _log(f"job {self.job_id}: node {self.spec.node_rank}/{self.spec.nnodes}, {self.spec.nproc_per_node} "
@@ -549,6 +589,11 @@ class Launcher:
             self._report(w, w.proc.returncode, "heartbeat", detect_s=now - w.beat_seen)
 
     def _watch(self) -> None:
+        for node, k in self.keepers.items():
+            if node not in self._keepers_gone and not self._stopping and k.poll() is not None:
+                self._keepers_gone.add(node)
+                _log(f"the keeper of node {node} exited ({describe_exit(k.returncode)}): training goes on, but a spare "
+                     f"that takes a rank of node {node} gets its state from the peers, not from this node's memory")
         kills, self._kill_read = self.control.kills(self._kill_read)
         for order in kills:
             w = self.workers.get(order.worker)
@@ -633,8 +678,8 @@ class Launcher:
             if not active and self.spec.spares_only and self._released and \
                     all(w.proc.poll() is not None for w in self.workers.values()):
                 return 0  # a replacement node whose spares were not needed: released at the end
-            if active and all(w.proc.poll() == 0 for w in active):
-                # Training finished: release the spares (they wait for an order or this key).
+            if active and all(w.proc.poll() == 0 for w in active) and self._job_finished(active):
+                # Training finished on every rank: release the spares (they wait for an order or this key).
                 self.control.shut_down()
                 self._release_spares()
                 self._stopping = True
@@ -642,8 +687,21 @@ class Launcher:
                 while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers.values()):
                     time.sleep(POLL_INTERVAL_S)
                 self.stop()
+                _log(f"job {self.job_id}: training finished on every rank; exit 0")
                 return 0
             self._pause()
+
+    def _job_finished(self, active: list) -> bool:
+        """This node's ranks all finished (exit 0): say so (``finished/<rank>``), and tell whether
+        the whole job has: node 0 once every rank said so, another node once node 0 said
+        ``shutdown``. A launcher exits 0 for nothing less."""
+        for w in active:
+            if w.rank not in self._said_finished:
+                self.control.set_finished(w.rank, w.wid)
+                self._said_finished.add(w.rank)
+        if self.spec.node_rank != 0:
+            return self.control.is_shut_down()
+        return all(self.control.finished(r) for r in range(self.world_size))
 
     def _release_spares(self) -> None:
         """Once training finished (any launcher set ``shutdown``): wake this node's waiting spares,
@@ -678,7 +736,7 @@ class Launcher:
         self.stop(signal.SIGKILL)
         for w in self.workers.values():
             w.finish()
-        self.store = None
+        self.store = self.control = None
 
 
 @dataclass
@@ -718,6 +776,67 @@ def _signal_pending(pid: int, sig: int) -> bool:
     except (OSError, ValueError):
         pass
     return False
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a forked child calls it, nothing more
+
+
+def die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: the child is SIGKILLed when its parent (the launcher) dies, however it
+    dies (Linux ``PR_SET_PDEATHSIG``, kept across exec); a parent already gone ends it at once.
+    The launcher starts its children from its main thread (the signal follows the thread that
+    forked)."""
+    def pre() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return pre
+
+
+STALE_LOCK_S = 600.0
+
+
+def extensions_root(environ) -> str:
+    """Where torch builds extensions for this interpreter (torch 2.13's
+    ``cpp_extension._get_build_directory`` without its side effect of creating the directory;
+    tests/test_launch.py pins the two together)."""
+    if environ.get("TORCH_EXTENSIONS_DIR"):
+        return environ["TORCH_EXTENSIONS_DIR"]
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    folder = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accelerator}"
+    return os.path.join(get_default_build_root(), folder)
+
+
+def warn_stale_build_locks(root: str | None = None, now: float | None = None) -> list[str]:
+    """torch's extension builds (DeepSpeed's ops) serialise on a ``lock`` file in each build
+    directory, and a build killed midway leaves it: every later process that needs that op
+    then waits for it silently, forever. A lock older than :data:`STALE_LOCK_S` is named with
+    what to do (it cannot be told from a build still running elsewhere, so it is not removed).
+    Returns the locks named."""
+    root = extensions_root(os.environ) if root is None else root
+    now = time.time() if now is None else now
+    stale = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        lock = os.path.join(root, name, "lock")
+        try:
+            age = now - os.stat(lock).st_mtime
+        except OSError:
+            continue
+        if age > STALE_LOCK_S:
+            stale.append(lock)
+            _log(f"warning: {lock} is {age / 60:.0f} min old: a build of the {name!r} op was killed midway, and any "
+                 f"worker that needs that op will wait for it forever. If no build is running, remove it: rm {lock}")
+    return stale
 
 
 def _dump_stacks(p: subprocess.Popen) -> None:
@@ -831,6 +950,10 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
     p.add_argument("--advertise-addr", default="",
                    help="this node's address for the workers' collectives (default: the one that reaches "
                         "--master-addr); its interface becomes GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME")
+    p.add_argument("--job-secret-file", default=os.environ.get("HOTSPARE_JOB_SECRET_FILE", ""),
+                   help="the job secret that signs the control store's messages: the same owner-only file on "
+                        "every node (required with --nnodes > 1 or --spares-only; default: "
+                        "$HOTSPARE_JOB_SECRET_FILE; one machine: made by node 0)")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -847,7 +970,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
                       spares_per_node=a.spares_per_node, job_id=a.job_id,
                       store_timeout_s=a.store_timeout, stall_grace_s=a.stall_grace_s, keeper=not a.no_keeper,
                       advertise_addr=a.advertise_addr, node_timeout_s=a.node_timeout_s, spares_only=a.spares_only,
-                      spare_wait_s=a.spare_wait_s, successor_wait_s=a.successor_wait_s)
+                      spare_wait_s=a.spare_wait_s, successor_wait_s=a.successor_wait_s,
+                      job_secret_file=a.job_secret_file)
 
 
 def main(argv: list[str] | None = None) -> int:

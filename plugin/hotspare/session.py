@@ -85,6 +85,7 @@ class Session:
     """Mirrors of failed generations whose thread may still be inside a transfer (joined at close)."""
     _reapers: list = field(default_factory=list)
     """The threads releasing the groups of generations left behind (:func:`leave`)."""
+    _control: Any = field(default=None, repr=False)
     _trained: bool = False
     _setup_guard: SetupGuard | None = None
     """On a spare, from its takeover to its loop's first step: collectives of the script's set-up
@@ -97,8 +98,13 @@ class Session:
 
     @property
     def control(self) -> "control.ControlStore | None":
-        """The control plane's operations on ``store`` (None without one)."""
-        return None if self.store is None else control.ControlStore(self.store)
+        """The control plane's operations on ``store``, signed with the job's secret (None without
+        a store)."""
+        if self.store is None:
+            return None
+        if self._control is None or self._control.raw is not self.store:
+            self._control = control.ControlStore(self.store)
+        return self._control
 
     def __post_init__(self) -> None:
         self._alarm_lock = threading.Lock()

@@ -81,13 +81,26 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
         # Only the process that started as the rank dies; a spare that takes it does not.
         return faults.get((rank, step, micro), "") if wid == f"a{rank}" and not transient_done else ""
 
+    def die_together(step: int, micro: int, phase: str) -> None:
+        """Ranks given the same (step, micro-batch, phase) die together: each waits until all
+        of them got there (else the first death's recovery may land before the others reach
+        their point, and they die in another step)."""
+        together = [r for (r, s, m), p in faults.items() if (s, m, p) == (step, micro, phase)]
+        if len(together) > 1:
+            key = f"test/die/{step}/{micro}/{phase}"
+            session.store.add(key, 1)
+            deadline = time.monotonic() + 60
+            while session.store.add(key, 0) < len(together) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        die()
+
     @session.resilient
     def train_step(step: int):
         for micro in range(accum):
             tokens = batch(step, rank, micro)
             phase = fault(step, micro)
             if phase == "forward":
-                die()
+                die_together(step, micro, phase)
             if phase == "later":
                 # Dies 1 s from here, wherever it is then (blocked in this step's collectives on a
                 # peer that wedged, say).

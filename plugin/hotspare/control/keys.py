@@ -35,6 +35,8 @@ and writes them (a generation's rendezvous keys under ``gen/<g>/`` are
   interrupted; the launchers start the successors of g's promoted spares then.
 - ``trained``: set by rank 0 once the job's first step completed (a failure before it is likely
   the script's).
+- ``finished/<rank>``: rank's script exited 0 (the worker id that held it); the job finished
+  once every rank did, and only then does node 0 set ``shutdown``.
 - ``unfit/<wid>``: why spare ``wid`` cannot take a rank (its set-up failed deterministically).
 - ``job/id``, ``job/fingerprint``: the job's identity (:mod:`hotspare.identity`).
 
@@ -100,6 +102,10 @@ def alarm(generation: int, wid: str) -> str:
 
 def exited(wid: str) -> str:
     return f"exited/{wid}"
+
+
+def finished(rank: int) -> str:
+    return f"finished/{rank}"
 
 
 def unfit(wid: str) -> str:

@@ -1,22 +1,32 @@
 """``ControlStore``: the few operations the launchers, the coordinator and the workers perform on
 the control store. Nobody else spells a key (:mod:`.keys`) or parses a value (:mod:`.messages`).
 
-A list entry that does not parse is skipped with one line naming its key (it cannot be acted
-on, and it must not stop the job); a single value that does not parse raises
-:class:`~.messages.BadMessage` naming its key.
+Every value the job acts on is signed with the job's secret (:mod:`.auth`); one whose
+signature does not hold reads as absent, and is named once. A list entry that does not parse is
+skipped (named once); one that was counted but never written (its writer died between the two,
+or a stranger moved the counter) is skipped after :data:`HOLE_S`. A single value that does not
+parse raises :class:`~.messages.BadMessage` naming its key. Wake keys are not signed: waking
+a waiter only makes it look again at signed values.
 """
 from __future__ import annotations
 
 import datetime
 import sys
+import time
 from collections.abc import Sequence
 
 from . import keys
+from .auth import Signer
 from .messages import BadMessage, Failure, Kill, Plan, Prepare, Spare, Waiting, parse, to_json
 
 WAKE_WAIT = datetime.timedelta(days=7)
 """A blocking wait that has no end of its own (a spare's on ``wake/<wid>``, a worker's on its
 alarm): without limit in practice, and short of poll()'s 2**31 ms."""
+FORGED_POLL_S = 0.05
+"""How often a wait looks again at a key that holds a value not signed by this job."""
+HOLE_S = 2.0
+"""A list index counted but not written for this long is a hole (a writer sets the entry
+microseconds after it counts it): skipped."""
 
 
 def _log(message: str) -> None:
@@ -26,21 +36,35 @@ def _log(message: str) -> None:
 class ControlStore:
     """The control plane's view of a ``torch.distributed.Store`` (``raw``)."""
 
-    def __init__(self, raw):
+    def __init__(self, raw, signer: Signer | None = None):
         self.raw = raw
+        self.signer = signer if signer is not None else Signer.from_env()
+        self._named: set[tuple[str, str]] = set()  # (key, problem) said once
+        self._holes: dict[str, float] = {}  # list key -> when it was first found counted but unwritten
+
+    def _say_once(self, key: str, problem: str) -> None:
+        if (key, problem) not in self._named:
+            self._named.add((key, problem))
+            _log(f"control store key {key!r}: {problem}")
 
     # ---- values -----------------------------------------------------------------------------
     def _set(self, key: str, value: str) -> None:
-        self.raw.set(key, value)
+        self.raw.set(key, self.signer.sign(key, value))
 
-    def _has(self, key: str) -> bool:
-        return self.raw.check([key])
+    def _open(self, key: str, stored: bytes) -> str | None:
+        value = self.signer.open(key, stored)
+        if value is None:
+            self._say_once(key, "not signed with this job's secret (another job's, or a stranger's); ignored")
+        return value
 
     def _text(self, key: str) -> str | None:
-        """The value of ``key`` as text, or None if unset."""
+        """The value of ``key``, or None if unset or not signed by this job."""
         if not self.raw.check([key]):
             return None
-        return self.raw.get(key).decode("utf-8", errors="replace")
+        return self._open(key, self.raw.get(key))
+
+    def _has(self, key: str) -> bool:
+        return self._text(key) is not None
 
     def _int(self, key: str) -> int | None:
         text = self._text(key)
@@ -63,39 +87,58 @@ class ControlStore:
             raise BadMessage(key, f"{text[:80]!r} is not a finite number")
         return value
 
-    def wait(self, key: str, timeout_s: float, what: str) -> bytes:
-        """``key``'s value once it is set: blocks in the store (woken the moment it is written,
-        the GIL released; no poll delay, one request per waiter). Raises TimeoutError naming
-        ``what``. torch cancels a wait that timed out on the server, so the connection stays
-        usable."""
+    def wait(self, key: str, timeout_s: float, what: str) -> str:
+        """``key``'s value once it is set and signed by this job: blocks in the store (woken the
+        moment it is written, the GIL released; no poll delay, one request per waiter). Past a
+        value not signed by this job (left in place: removing it could remove the real one
+        written meanwhile) the wait polls. Raises TimeoutError naming ``what``. torch cancels a
+        wait that timed out on the server, so the connection stays usable."""
+        deadline = time.monotonic() + timeout_s
         try:
             self.raw.wait([key], datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:  # torch.distributed.DistStoreError
             if "timeout" not in str(exc).lower():
                 raise
             raise TimeoutError(f"waited {timeout_s:g} s for {what} (store key {key!r})") from None
-        return self.raw.get(key)
+        while True:
+            value = self._text(key)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:g} s for {what} (store key {key!r} holds a value not "
+                                   f"signed by this job)")
+            time.sleep(FORGED_POLL_S)
 
     # ---- lists ------------------------------------------------------------------------------
     def _append(self, counter: str, prefix: str, value: str) -> int:
         index = self.raw.add(counter, 1) - 1
-        self.raw.set(f"{prefix}{index}", value)
+        self._set(f"{prefix}{index}", value)
         return index
 
     def _entries(self, counter: str, prefix: str, start: int, cls) -> tuple[list, int]:
         """The entries ``start ..`` that are fully written, parsed as ``cls``, and the index to
-        read from next. One that does not parse is skipped, with a line naming its key."""
+        read from next. One that is not signed or does not parse is skipped, named once; one
+        counted but not written for :data:`HOLE_S` too."""
         n = self.raw.add(counter, 0)
         out = []
         i = start
         while i < n:
             key = f"{prefix}{i}"
             if not self.raw.check([key]):
-                break  # counted but not written yet: read it on the next look
-            try:
-                out.append(parse(cls, self.raw.get(key), key))
-            except BadMessage as exc:
-                _log(f"{exc}; skipped")
+                first = self._holes.setdefault(key, time.monotonic())
+                if time.monotonic() - first < HOLE_S:
+                    break  # counted but not written yet: read it on the next look
+                self._say_once(key, f"counted in {counter!r} but not written for {HOLE_S:g} s; skipped")
+                del self._holes[key]
+                i += 1
+                continue
+            self._holes.pop(key, None)
+            text = self._open(key, self.raw.get(key))
+            if text is not None:
+                try:
+                    out.append(parse(cls, text, key))
+                except BadMessage as exc:
+                    self._say_once(key, f"{str(exc).split(': ', 1)[-1]}; skipped")
             i += 1
         return out, i
 
@@ -135,7 +178,10 @@ class ControlStore:
 
     def plan(self, generation: int) -> Plan:
         key = keys.plan(generation)
-        plan = Plan.from_json(self.raw.get(key), key)
+        text = self._text(key)
+        if text is None:
+            raise BadMessage(key, "no plan signed by this job")
+        plan = Plan.from_json(text, key)
         if plan.generation != generation:
             raise BadMessage(key, f"holds the plan of generation {plan.generation}")
         return plan
@@ -192,8 +238,9 @@ class ControlStore:
         return self._int(keys.order(wid))
 
     def wake(self, wid: str) -> None:
-        """Wake spare ``wid`` from its wait (after writing what it must read)."""
-        self._set(keys.wake(wid), "1")
+        """Wake spare ``wid`` from its wait (after writing what it must read). Not signed: a
+        waiter woken by anyone only looks again at the signed values."""
+        self.raw.set(keys.wake(wid), "1")
 
     def wait_for_wake(self, wid: str) -> None:
         """Block until ``wake/<wid>`` is set, then clear it (the next wake is a new one)."""
@@ -227,23 +274,32 @@ class ControlStore:
     def beat_timeout(self, wid: str) -> float | None:
         return self._float(keys.heartbeat_timeout(wid))
 
-    def beat_node(self, node: int) -> int:
-        return int(self.raw.add(keys.node_heartbeat(node), 1))
+    def beat_node(self, node: int, count: int) -> None:
+        """Node ``node``'s launcher beats (a set: the store's reply proves it arrived)."""
+        self._set(keys.node_heartbeat(node), str(count))
 
     def node_beats(self, node: int) -> int:
-        return int(self.raw.add(keys.node_heartbeat(node), 0))
+        """Node ``node``'s launcher's last signed beat (0: none yet)."""
+        return self._int(keys.node_heartbeat(node)) or 0
 
     # ---- the job's flags --------------------------------------------------------------------
     def alarm(self, generation: int, wids: Sequence[str]) -> None:
         """Tell every worker in ``wids`` that generation ``generation`` failed (one request)."""
         names = [keys.alarm(generation, wid) for wid in wids]
         if names:
-            self.raw.multi_set(names, ["1"] * len(names))
+            self.raw.multi_set(names, [self.signer.sign(name, "1") for name in names])
 
-    def wait_for_alarm(self, generation: int, wid: str) -> None:
-        """Block until the coordinator says generation ``generation`` failed (or the worker
-        ended its own wait, closing)."""
-        self.raw.wait([keys.alarm(generation, wid)], WAKE_WAIT)
+    def wait_for_alarm(self, generation: int, wid: str) -> str:
+        """Block until the coordinator says generation ``generation`` failed ("1"), or the worker
+        ended its own wait, closing ("closed"). Past an alarm not signed by this job the wait
+        polls (every FORGED_POLL_S) for the real one."""
+        key = keys.alarm(generation, wid)
+        self.raw.wait([key], WAKE_WAIT)
+        while True:
+            value = self._text(key)
+            if value is not None:
+                return value
+            time.sleep(FORGED_POLL_S)  # a forgery sits on the key: look until the real one replaces it
 
     def end_alarm_wait(self, generation: int, wid: str) -> None:
         """A closing worker ends its own alarm thread's wait."""
@@ -264,6 +320,12 @@ class ControlStore:
     def is_shut_down(self) -> bool:
         return self._has(keys.SHUTDOWN)
 
+    def set_finished(self, rank: int, wid: str) -> None:
+        self._set(keys.finished(rank), wid)
+
+    def finished(self, rank: int) -> bool:
+        return self._has(keys.finished(rank))
+
     def mark_trained(self) -> None:
         self._set(keys.TRAINED, "1")
 
@@ -275,6 +337,29 @@ class ControlStore:
 
     def caught_up(self, generation: int) -> bool:
         return self._has(keys.caught_up(generation))
+
+    def publish_job(self, job_id: str) -> None:
+        """Node 0's launcher: the job's id (signed without a job id: it is what names the job)."""
+        self.raw.set(keys.JOB_ID, self.signer.sign(keys.JOB_ID, job_id, job_id=""))
+
+    def job_id(self) -> str | None:
+        """The job's id; None when the store has none. JoinRefused-worthy (ValueError) when it
+        is not signed with this process's secret: another job's store, or another secret."""
+        if not self.raw.check([keys.JOB_ID]):
+            return None
+        value = self.signer.open(keys.JOB_ID, self.raw.get(keys.JOB_ID), job_id="")
+        if value is None:
+            raise BadMessage(keys.JOB_ID, "not signed with this process's job secret: this store serves another "
+                                          "job, or the job was started with another --job-secret-file")
+        return value
+
+    def claim_fingerprint(self, mine: str) -> str:
+        """The job's fingerprint: ``mine`` if this is the first claim, else the first one's."""
+        stored = self.raw.compare_set(keys.FINGERPRINT, "", self.signer.sign(keys.FINGERPRINT, mine))
+        theirs = self.signer.open(keys.FINGERPRINT, stored)
+        if theirs is None:
+            raise BadMessage(keys.FINGERPRINT, "not signed with this job's secret")
+        return theirs
 
     def arrived(self, generation: int, world_size: int) -> bool:
         """Whether every member of generation ``generation`` arrived in its rendezvous."""
