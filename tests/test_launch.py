@@ -637,7 +637,7 @@ def test_a_worker_about_to_be_killed_as_stuck_writes_where_it_is_stuck():
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert select.select([proc.stdout], [], [], 60)[0] and proc.stdout.readline() == b"ready\n"
-        launch._dump_stacks(proc)
+        launch.dump_stacks(proc)
     finally:
         proc.kill()
         _, err = proc.communicate(timeout=30)

@@ -4,9 +4,10 @@
 """
 from __future__ import annotations
 
+from .errors import FatalError, HotspareError, RecoverableError
 from .position import STEP_INDEXED, DataPosition, skip
 
-__all__ = ["DataPosition", "STEP_INDEXED", "initialize", "skip"]
+__all__ = ["DataPosition", "FatalError", "HotspareError", "RecoverableError", "STEP_INDEXED", "initialize", "skip"]
 __version__ = "0.1.0"
 
 

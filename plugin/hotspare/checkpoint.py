@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 
+from .errors import FatalError
+
 TAG_PREFIX = "global_step"
 _TAG = re.compile(rf"^{TAG_PREFIX}(\d+)$")
 _MARKER = "hotspare.rank{rank}.done"
@@ -81,7 +83,7 @@ def _read_marker(path: str) -> dict | None:
         return None  # absent, or torn by a crash mid-write: not complete
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(FatalError):
     """The background writer failed; the message names the file and the cause."""
 
 

@@ -17,12 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union
 
+from .errors import HotspareError
+
 T = TypeVar("T")
 
 DEEPSPEED_SECTION = "hotspare"
 
 
-class ConfigError(ValueError):
+class ConfigError(HotspareError, ValueError):
     """A configuration value or key is wrong; the message names it and says what is allowed."""
 
 

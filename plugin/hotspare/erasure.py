@@ -19,9 +19,10 @@ import numpy as np
 import zfec
 
 from . import checksum
+from .errors import HotspareError
 
 
-class ErasureError(RuntimeError):
+class ErasureError(HotspareError, RuntimeError):
     """Too few good shares to rebuild a snapshot; the message says which are missing or bad."""
 
 

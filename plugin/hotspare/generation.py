@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from . import control, env, faults, identity
+from .errors import RecoverableError
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def store_from_env() -> dist.TCPStore:
 
 
 
-class Superseded(RuntimeError):
+class Superseded(RecoverableError):
     """A newer plan exists: a member failed while this generation formed; join ``generation``."""
 
     def __init__(self, old: int, generation: int):

@@ -25,10 +25,11 @@ from collections.abc import Mapping
 from . import env
 from .control import BadMessage, ControlStore
 from .control.auth import SecretError
+from .errors import FatalError
 
 
 
-class JoinRefused(RuntimeError):
+class JoinRefused(FatalError):
     """This process belongs to another job, or runs something other than the job does."""
 
 

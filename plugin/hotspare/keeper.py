@@ -37,6 +37,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from .errors import HotspareError
 from .retain import RetainedSegment, SegmentError, segment_size
 
 SHM_DIR = "/dev/shm"
@@ -44,7 +45,7 @@ NAME_RE = re.compile(r"^hotspare-(?P<job>[A-Za-z0-9_.]+)-k(?P<pid>\d+)-r(?P<rank
 MIB = 1 << 20
 
 
-class KeeperError(RuntimeError):
+class KeeperError(HotspareError, RuntimeError):
     """The keeper refused a request or cannot be reached; the message says why and what to do."""
 
 

@@ -51,6 +51,7 @@ import torch
 
 from . import checksum, erasure, faults
 from .devicemem import device_sum
+from .errors import RecoverableError
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
 from .transport import Transport
 
@@ -65,7 +66,7 @@ NO_VERSION = -1
 _INT64_MAX = 2**63 - 1
 
 
-class MirrorError(RuntimeError):
+class MirrorError(RecoverableError):
     """Mirroring cannot go on (a peer is gone or sent bad bytes); the message says which."""
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .errors import FatalError
+
 SELF = -1
 """Source marker: the rank restores from its own snapshot (a survivor)."""
 KEEPER = -2
@@ -48,7 +50,7 @@ class RestorePlan:
     """Rank -> (SELF,) or the holder ranks its bytes are fetched from."""
 
 
-class NoConsistentVersion(RuntimeError):
+class NoConsistentVersion(FatalError):
     """No version is held for every rank; the message says which ranks' state is lost."""
 
 

@@ -23,20 +23,21 @@ import torch
 import torch.distributed as dist
 
 from . import erasure
-from .mirror import NO_VERSION, Mirror, MirrorError
+from .errors import FatalError, RecoverableError
+from .mirror import NO_VERSION, Mirror
 from .planning import KEEPER, SELF, STRIPE, Holdings, RestorePlan, split_load
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32
-from .transport import GlooTransport, TransferError
+from .transport import GlooTransport
 
 TAG_RESTORE_HEADER = 81
 TAG_RESTORE_DATA = 82
 
 
-class RecoveryError(RuntimeError):
+class RecoveryError(FatalError):
     """Recovery cannot go on; the message says what was lost and what to do."""
 
 
-class GenerationFailed(RuntimeError):
+class GenerationFailed(RecoverableError):
     """Raised in the training thread (a module's forward) once the coordinator has said that this
     worker's generation failed: it leaves for the recovery now instead of at its next collective."""
 
@@ -51,8 +52,12 @@ _DISTRIBUTED_MARKERS = ("connection closed by peer", "connection reset by peer",
 
 
 def is_distributed_error(exc: BaseException) -> bool:
-    """Whether ``exc`` says a peer or the group failed (as opposed to a bug in the step)."""
-    if isinstance(exc, (MirrorError, TransferError, TimeoutError, ConnectionError, GenerationFailed)):
+    """Whether ``exc`` says a peer or the group failed (as opposed to a bug in the step, or a
+    failure nothing in place can mend): by type (hotspare's, then torch's), and for a plain
+    ``RuntimeError`` by gloo's or NCCL's text (see :mod:`hotspare.errors`)."""
+    if isinstance(exc, FatalError):
+        return False
+    if isinstance(exc, (RecoverableError, TimeoutError, ConnectionError)):
         return True
     if isinstance(exc, (dist.DistError, dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
         return True

@@ -52,6 +52,7 @@ import zlib
 import numpy as np
 
 from . import faults
+from .errors import HotspareError
 
 SEGMENT_MAGIC = 0x48535253  # "HSRS"
 FORMAT_VERSION = 2
@@ -66,7 +67,7 @@ CRC_PENDING = -2
 PAGE = 4096
 
 
-class SegmentError(RuntimeError):
+class SegmentError(HotspareError, RuntimeError):
     """A retained segment is missing, of another layout, or not a hotspare segment."""
 
 

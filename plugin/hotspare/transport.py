@@ -16,8 +16,10 @@ from typing import Protocol
 
 import torch
 
+from .errors import RecoverableError
 
-class TransferError(RuntimeError):
+
+class TransferError(RecoverableError):
     """A send or receive failed or timed out; the message names the peer."""
 
 

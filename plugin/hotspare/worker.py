@@ -10,6 +10,7 @@ import sys
 import threading
 
 from . import control, env
+from .errors import HotspareError
 from .generation import store_from_env
 
 
@@ -146,7 +147,7 @@ class Heartbeat:
             pass
 
 
-class Shutdown(Exception):
+class Shutdown(HotspareError):
     """The job ended while this spare waited; the spare exits cleanly."""
 
 

@@ -20,6 +20,7 @@ import secrets
 import stat
 
 from .. import env
+from ..errors import HotspareError
 
 SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16
@@ -27,7 +28,7 @@ _TAG = "hs1."
 _MAC_HEX = 64  # sha256
 
 
-class SecretError(ValueError):
+class SecretError(HotspareError, ValueError):
     """The job secret is missing, unreadable, too short or readable by others."""
 
 

@@ -13,10 +13,11 @@ import math
 import typing
 from dataclasses import asdict, dataclass, field
 
+from ..errors import HotspareError
 from .keys import is_worker_id
 
 
-class BadMessage(ValueError):
+class BadMessage(HotspareError, ValueError):
     """A control-store value that is not the message its key holds."""
 
     def __init__(self, key: str, why: str):

@@ -1,0 +1,476 @@
+"""The launcher of one node: its workers, spares and keepers, heartbeats and fencing, the
+coordinator on node 0, the spares' successors, the job's end."""
+from __future__ import annotations
+
+import datetime
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+from .. import control, env
+from ..control import auth
+from ..coordinator import Coordinator, describe_exit
+from .buildlocks import extensions_root, warn_stale_build_locks
+from .fencing import NodeBeat
+from .keepers import Keepers
+from .network import interface_of, listen_socket, route_to
+from .processes import EXIT_POLL_S, Worker, die_with_parent, dump_stacks, log, signal_group
+from .spec import LaunchSpec
+
+POLL_INTERVAL_S = 0.02
+ABORT_EXIT_CODE = 3
+"""Exit code when a worker found the job unrecoverable (``control.ABORT``): state was lost."""
+FENCED_EXIT_CODE = 4
+"""Exit code of a launcher that lost the control store for ``node_timeout_s`` and stopped its
+workers (partitioned from node 0, or node 0 died)."""
+
+class Launcher:
+    """Starts and watches this node's workers; node 0's launcher also coordinates recoveries.
+
+    Unlike torchrun, a failed worker does not stop the others: it is reported to the control
+    store, the coordinator (node 0) plans which spare takes its rank in a new generation, and
+    the spare's launcher starts a new spare. Without a spare the job stops with the failed
+    worker's exit code.
+    """
+
+    def __init__(self, spec: LaunchSpec):
+        spec.validate()
+        self.spec = spec
+        self.job_id = spec.job_id or uuid.uuid4().hex[:12]
+        secret = auth.read_secret_file(spec.job_secret_file) if spec.job_secret_file else auth.new_secret()
+        self.signer = auth.Signer(secret, self.job_id)
+        self.store = None
+        self.control: control.ControlStore | None = None  # signed operations on ``store``, once it is open
+        self.advertise_addr, self.advertise_ifname = spec.advertise_addr, ""
+        self.port = 0
+        self.workers: dict[str, Worker] = {}
+        self.generation = 0
+        self.exit_code: int | None = None
+        self._spare_counter: dict[int, int] = {}
+        self._stopping = False
+        self._released = False  # spares woken to see "shutdown"
+        self._kill_read = 0
+        self._bad_beats: set[str] = set()  # workers whose heartbeat key held something else (said once)
+        self._said_finished: set[int] = set()  # this node's ranks written to finished/<rank>
+        self.keepers = Keepers(self.job_id)
+        self.coordinator: Coordinator | None = None  # node 0 only
+        self._node_beat: NodeBeat | None = None  # nodes other than 0
+        self._successors: list[_Successor] = []  # registered, not started yet
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.nnodes * self.spec.nproc_per_node
+
+    def _open_store(self) -> int:
+        import torch.distributed as dist
+
+        from ..generation import connect_store
+
+        s = self.spec
+        if s.node_rank != 0:
+            self.store = connect_store(s.master_addr, s.master_port, s.store_timeout_s)
+            try:
+                theirs = control.ControlStore(self.store, self.signer).job_id()
+            except control.BadMessage as exc:
+                raise ValueError(f"the control store at {s.master_addr}:{s.master_port}: {exc}; give every "
+                                 f"node's hotspare-run the same --job-secret-file") from None
+            if theirs is None:
+                raise ValueError(f"the control store at {s.master_addr}:{s.master_port} serves no job yet (node 0's "
+                                 f"hotspare-run writes its id first)")
+            if s.job_id and s.job_id != theirs:
+                raise ValueError(f"--job-id={s.job_id}, but the control store at {s.master_addr}:{s.master_port} "
+                                 f"serves job {theirs}: start every node's hotspare-run with the same --job-id (or "
+                                 f"none: the others take node 0's)")
+            self.job_id = self.keepers.job_id = theirs
+            self.signer = self.signer.for_job(theirs)
+            self.control = control.ControlStore(self.store, self.signer)
+            return s.master_port
+        # The store listens on the address the launcher was given only (127.0.0.1 on one
+        # machine), not on every interface as TCPStore's own socket would.
+        listener = listen_socket(s.master_addr, s.master_port)
+        self.store = dist.TCPStore(s.master_addr, listener.getsockname()[1], is_master=True,
+                                   timeout=datetime.timedelta(seconds=s.store_timeout_s), wait_for_workers=False,
+                                   master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the descriptor now and closes it when it goes
+        self.control = control.ControlStore(self.store, self.signer)
+        self.control.publish_job(self.job_id)
+        return self.store.port
+
+    def _fence(self, silent_s: float) -> None:
+        """This node lost the control store: stop every worker and keeper of this node, so that
+        nothing acts on a stale view of the job (node 0 has declared this node lost and given its
+        ranks to spares by now), and exit with FENCED_EXIT_CODE."""
+        log(f"node {self.spec.node_rank} cannot reach the control store at {self.spec.master_addr}:"
+             f"{self.spec.master_port} for {silent_s:.1f} s (partitioned from node 0, or node 0 is down): "
+             f"stopping this node's workers (fenced), exit code {FENCED_EXIT_CODE}")
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                signal_group(w.proc, signal.SIGKILL)
+        self.keepers.terminate(self.spec.term_grace_s)
+        os._exit(FENCED_EXIT_CODE)
+
+    def _advertise(self) -> None:
+        """The address this node's workers talk from, and its interface: gloo (and NCCL's
+        bootstrap) are told to use it, so no collective traffic goes out another network."""
+        s = self.spec
+        self.advertise_addr = s.advertise_addr or route_to(s.master_addr)
+        self.advertise_ifname = interface_of(self.advertise_addr)
+        where = f"interface {self.advertise_ifname}" if self.advertise_ifname else "no local interface has it"
+        log(f"node {s.node_rank} advertises {self.advertise_addr} ({where})")
+
+    @property
+    def num_nodes(self) -> int:
+        """(Logical) nodes of the job."""
+        return self.spec.logical_nodes if self.spec.logical_nodes > 1 else self.spec.nnodes
+
+
+    def _local_nodes(self) -> list[int]:
+        s = self.spec
+        return list(range(s.logical_nodes)) if s.logical_nodes > 1 else [s.node_rank]
+
+    def _base_env(self, node: int) -> dict[str, str]:
+        s = self.spec
+        worker_env = dict(os.environ)
+        worker_env.update(s.extra_env)
+        worker_env.update({
+            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(s.nproc_per_node),
+            "MASTER_ADDR": s.master_addr, "MASTER_PORT": str(self.port),
+            env.HOTSPARE_STORE_HOST: s.master_addr, env.HOTSPARE_STORE_PORT: str(self.port),
+            env.HOTSPARE_NODE_RANK: str(node), env.HOTSPARE_NUM_NODES: str(self.num_nodes),
+            env.HOTSPARE_JOB_ID: self.job_id, env.HOTSPARE_GENERATION: "0",
+            env.HOTSPARE_STORE_TIMEOUT_S: str(s.store_timeout_s), env.HOTSPARE_JOB_SECRET: self.signer.secret_hex(),
+        })
+        # NCCL: on a collective timeout abort the communicators and raise in the worker (2,
+        # CleanUpOnly) instead of tearing the process down, so a survivor can recover in place.
+        worker_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # A worker killed by a fatal signal (SIGSEGV, SIGABRT from a C++ terminate, ...) prints
+        # every thread's Python stack: what the failure report needs to say where it died.
+        worker_env.setdefault("PYTHONFAULTHANDLER", "1")
+        if self.advertise_ifname:
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                worker_env.setdefault(var, self.advertise_ifname)
+        if node in self.keepers:
+            worker_env[env.HOTSPARE_KEEPER_SOCKET] = self.keepers.socket_path(node)
+        return worker_env
+
+    def _spawn(self, worker_env: dict[str, str]) -> subprocess.Popen:
+        # Own session per worker, so stopping one also stops whatever it spawned; and killed
+        # by the kernel if this launcher dies (nothing trains on without its launcher).
+        return subprocess.Popen([sys.executable, *self.spec.script], env=worker_env, start_new_session=True,
+                                preexec_fn=die_with_parent(os.getpid()))
+
+    def _start_active(self, local_rank: int) -> None:
+        rank = self.spec.node_rank * self.spec.nproc_per_node + local_rank
+        wid = control.active_id(rank)
+        node = self.spec.node_of_rank(rank)
+        worker_env = self._base_env(node)
+        worker_env.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), env.HOTSPARE_ROLE: "active",
+                           env.HOTSPARE_WORKER_ID: wid})
+        self.workers[wid] = Worker(wid, node, self._spawn(worker_env), rank=rank)
+
+    def _start_spare(self, node: int) -> Worker:
+        return self._spawn_spare(self._register_spare(node), node)
+
+    def _register_spare(self, node: int) -> str:
+        """A new spare id on ``node``, registered with the coordinator (which counts it as a spare
+        that is still starting until it says it is ready)."""
+        k = self._spare_counter.get(node, 0)
+        self._spare_counter[node] = k + 1
+        wid = control.spare_id(node, k)
+        self.control.register_spare(wid, node)
+        return wid
+
+    def _spawn_spare(self, wid: str, node: int) -> Worker:
+        worker_env = self._base_env(node)
+        worker_env.update({env.HOTSPARE_ROLE: "spare", env.HOTSPARE_WORKER_ID: wid})
+        for key in ("RANK", "LOCAL_RANK"):
+            worker_env.pop(key, None)  # a spare learns its rank from its takeover order
+        worker = Worker(wid, node, self._spawn(worker_env))
+        self.workers[wid] = worker
+        return worker
+
+    def start(self) -> None:
+        if self.spec.script[0] != "-m" and not os.path.isfile(self.spec.script[0]):
+            raise ValueError(f"the training script {self.spec.script[0]!r} does not exist (looked from {os.getcwd()})")
+        warn_stale_build_locks(extensions_root({**os.environ, **self.spec.extra_env}))
+        # Decide DeepSpeed's accelerator once, here, so every worker agrees (DS_ACCELERATOR=cpu
+        # when this node has no GPU; a user's own setting is kept).
+        env.configure_accelerator()
+        self.port = self._open_store()
+        self._advertise()
+        if self.spec.node_rank == 0:
+            self.coordinator = Coordinator(self.spec, self.control, self.world_size, self.port)
+        if self.spec.node_rank != 0:
+            self._node_beat = NodeBeat(self.spec, self.signer, self._fence)
+            self._node_beat.start()
+        log(f"job {self.job_id}: node {self.spec.node_rank}/{self.spec.nnodes}, {self.spec.nproc_per_node} "
+             f"workers + {self.spec.spares_per_node} spare(s) per node, store {self.spec.master_addr}:{self.port}")
+        if self.spec.keeper:
+            for node in self._local_nodes():
+                self.keepers.start(node)
+        if self.spec.spares_only:
+            log(f"node {self.spec.node_rank} joins job {self.job_id} with {self.spec.spares_per_node} spare(s) only")
+        for local_rank in range(0 if self.spec.spares_only else self.spec.nproc_per_node):
+            self._start_active(local_rank)
+        for node in self._local_nodes():
+            for _ in range(self.spec.spares_per_node):
+                self._start_spare(node)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop every worker: ``sig`` first, SIGKILL after the grace period."""
+        self._stopping = True
+        live = [w.proc for w in self.workers.values() if w.proc.poll() is None]
+        for p in live:
+            signal_group(p, sig)
+        deadline = time.monotonic() + self.spec.term_grace_s
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                signal_group(p, signal.SIGKILL)
+                p.wait()
+        # A worker may have left children in its session even after exiting.
+        for w in self.workers.values():
+            signal_group(w.proc, signal.SIGKILL)
+        self.keepers.stop(self.spec.term_grace_s)
+
+    # ---- watching --------------------------------------------------------------------------
+
+    def _report(self, w: Worker, code: int, reason: str, detect_s: float = 0.0) -> None:
+        """A failure of ``w`` to the coordinator: gone (then ``exited/<wid>`` too), or ``w.dying``
+        (its exit began; ``exited/<wid>`` follows once it is gone, see :meth:`_watch`)."""
+        if not w.dying:
+            self._gone(w, code)
+        failure = control.Failure(worker=w.wid, rank=w.rank, code=code, reason=reason, wall_time=time.time(),
+                                  detect_s=detect_s)
+        what = f"rank {w.rank}" if w.rank >= 0 else f"spare {w.wid}"
+        how = {"exit": describe_exit(code), "heartbeat": f"no heartbeat for {detect_s:.1f} s, killed",
+               "watchdog": f"stuck (its peers' collectives timed out waiting for it; {detect_s:.1f} s), killed"}[reason]
+        log(f"{what} ({w.wid}, node {w.node}) failed: {how}")
+        self.control.report_failure(failure)
+
+    def _gone(self, w: Worker, code: int) -> None:
+        """A failed worker's process is gone: ``exited/<wid>`` (a spare taking its device waits for it).
+        What it started in its session and left behind goes too (a killed trainer's helper
+        processes, such as megatron-core's checkpoint manager, would otherwise live on)."""
+        signal_group(w.proc, signal.SIGKILL)
+        w.finish()
+        self.control.set_exited(w.wid, code)
+
+    def _check_heartbeat(self, w: Worker, now: float) -> None:
+        try:
+            beat = self.control.beats(w.wid)
+            timeout_s = self.control.beat_timeout(w.wid) if beat is not None and w.beat < 0 <= beat else None
+        except control.BadMessage as exc:  # not the worker's own writing: no beat
+            if w.wid not in self._bad_beats:
+                self._bad_beats.add(w.wid)
+                log(f"{exc}; not counted as a heartbeat")
+            return
+        if beat is None:
+            return
+        if beat < 0:  # the worker said goodbye
+            w.beat_timeout = 0.0
+            return
+        if beat != w.beat:
+            if w.beat < 0:
+                w.beat_timeout = timeout_s or 0.0
+            w.beat, w.beat_seen = beat, now
+        elif w.beat_timeout and now - w.beat_seen > w.beat_timeout:
+            signal_group(w.proc, signal.SIGKILL)
+            w.proc.wait()
+            self._report(w, w.proc.returncode, "heartbeat", detect_s=now - w.beat_seen)
+
+    def _watch(self) -> None:
+        if not self._stopping:
+            self.keepers.watch()
+        kills, self._kill_read = self.control.kills(self._kill_read)
+        for order in kills:
+            w = self.workers.get(order.worker)
+            if w is not None and not w.done:
+                log(f"worker {w.wid} is stuck; its threads' stacks follow")
+                dump_stacks(w.proc)
+                signal_group(w.proc, signal.SIGKILL)
+                w.proc.wait()
+                self._report(w, w.proc.returncode, "watchdog", detect_s=order.detect_s)
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if w.done:
+                continue
+            code = w.proc.poll()
+            if code is None:
+                early = None if self._stopping else w.exiting()
+                if early is not None:
+                    # Its exit began: report it now, not once its memory is torn down.
+                    w.dying = True
+                    self._report(w, early, "exit")
+                elif not w.dying:
+                    self._check_heartbeat(w, now)
+            elif w.dying:
+                self._gone(w, code)  # reported when its exit began
+            elif code == 0 or self._stopping:
+                w.finish()  # done, or stopped by this launcher: nothing to report
+            else:
+                self._report(w, code, "exit")
+
+    def _follow_plans(self) -> None:
+        """Apply every new plan: promoted spares of this node become ranks; start their successors."""
+        while self.control.superseded(self.generation):
+            plan = self.control.plan(self.generation + 1)
+            self.generation = plan.generation
+            if plan.abort:
+                if self.exit_code is None:
+                    self.exit_code = _plan_exit_code(plan)
+                return
+            for rank, wid in plan.replaced.items():
+                w = self.workers.get(wid)
+                if w is not None:
+                    w.rank = int(rank)
+                    successor = _Successor(self._register_spare(w.node), w.node, plan.generation,
+                                           plan.failures_read, time.monotonic() + self.spec.successor_wait_s)
+                    self._successors.append(successor)
+                    log(f"generation {plan.generation}: spare {wid} takes rank {rank}; its successor "
+                         f"{successor.wid} on node {w.node} starts once the generation has caught up")
+
+    def _start_successors(self) -> None:
+        """Start the successors whose time has come: their generation (or a later one) is back at
+        the step the failure interrupted, another failure was reported, or their wait ran out."""
+        if not self._successors:
+            return
+        now = time.monotonic()
+        failures = self.control.failure_count()
+        for s in list(self._successors):
+            caught_up = any(self.control.caught_up(g) for g in range(s.generation, self.generation + 1))
+            why = ("the generation caught up" if caught_up else "another failure came" if failures > s.failures_read
+                   else f"--successor-wait-s={self.spec.successor_wait_s} ran out" if now >= s.deadline else "")
+            if why:
+                self._successors.remove(s)
+                self._spawn_spare(s.wid, s.node)
+                log(f"starting spare {s.wid} on node {s.node} ({why})")
+
+    def wait(self) -> int:
+        """Block until the job ends; return its exit code."""
+        while True:
+            self._watch()
+            if self.coordinator is not None:
+                self.coordinator.step()
+            self._follow_plans()
+            self._start_successors()
+            aborted = self.control.abort_message() if self.exit_code is None else None
+            if aborted is not None:
+                log(f"a worker stopped the job: {aborted}")
+                self.exit_code = ABORT_EXIT_CODE
+            if self.exit_code is not None:
+                self.stop()
+                return self.exit_code
+            active = [w for w in self.workers.values() if w.rank >= 0 and not _failed(w)]
+            self._release_spares()
+            if not active and self.spec.spares_only and self._released and \
+                    all(w.proc.poll() is not None for w in self.workers.values()):
+                return 0  # a replacement node whose spares were not needed: released at the end
+            if active and all(w.proc.poll() == 0 for w in active) and self._job_finished(active):
+                # Training finished on every rank: release the spares (they wait for an order or this key).
+                self.control.shut_down()
+                self._release_spares()
+                self._stopping = True
+                deadline = time.monotonic() + self.spec.term_grace_s
+                while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers.values()):
+                    time.sleep(POLL_INTERVAL_S)
+                self.stop()
+                log(f"job {self.job_id}: training finished on every rank; exit 0")
+                return 0
+            self._pause()
+
+    def _job_finished(self, active: list) -> bool:
+        """This node's ranks all finished (exit 0): say so (``finished/<rank>``), and tell whether
+        the whole job has: node 0 once every rank said so, another node once node 0 said
+        ``shutdown``. A launcher exits 0 for nothing less."""
+        for w in active:
+            if w.rank not in self._said_finished:
+                self.control.set_finished(w.rank, w.wid)
+                self._said_finished.add(w.rank)
+        if self.spec.node_rank != 0:
+            return self.control.is_shut_down()
+        return all(self.control.finished(r) for r in range(self.world_size))
+
+    def _release_spares(self) -> None:
+        """Once training finished (any launcher set ``shutdown``): wake this node's waiting spares,
+        which then see it and exit."""
+        if self._released or not self.control.is_shut_down():
+            return
+        self._released = True
+        for w in self.workers.values():
+            if w.rank < 0 and not w.done:
+                self.control.wake(w.wid)
+
+    def _pause(self) -> None:
+        """Until the next look: ``POLL_INTERVAL_S``, cut short the moment a worker exits (its
+        pidfd turns readable); while a failure waits for its plan, ``control.RECOVERY_POLL_S``."""
+        busy = self.coordinator is not None and self.coordinator.busy
+        deadline = time.monotonic() + (control.RECOVERY_POLL_S if busy else POLL_INTERVAL_S)
+        live = [w for w in self.workers.values() if not w.done]
+        fds = [w.pidfd for w in live if w.pidfd >= 0]
+        watched = [w for w in live if w.stat_fd >= 0 and not w.dying and not self._stopping]
+        while (left := deadline - time.monotonic()) > 0:
+            step = min(left, EXIT_POLL_S) if watched else left
+            if fds:
+                if select.select(fds, [], [], step)[0]:
+                    return
+            else:
+                time.sleep(step)
+            if any(w.exiting() is not None for w in watched):
+                return
+
+    def close(self) -> None:
+        if self._node_beat is not None:
+            self._node_beat.stop()
+        self.stop(signal.SIGKILL)
+        for w in self.workers.values():
+            w.finish()
+        self.store = self.control = None
+
+
+@dataclass
+class _Successor:
+    """A spare registered to follow one promoted in ``generation``, not started yet."""
+
+    wid: str
+    node: int
+    generation: int
+    failures_read: int
+    """The plan's ``failures_read``: a failure beyond it needs this spare now."""
+    deadline: float
+
+
+def _failed(w: Worker) -> bool:
+    code = w.proc.poll()
+    return w.dying or (code is not None and code != 0)
+
+
+def _plan_exit_code(plan: control.Plan) -> int:
+    codes = [f["code"] for f in plan.failures] or [1]
+    code = codes[0]
+    return code if code > 0 else 128 - code
+
+
+def run(spec: LaunchSpec) -> int:
+    """Launch, wait, and clean up; SIGINT/SIGTERM stop every worker before returning."""
+    launcher = Launcher(spec)
+
+    def on_signal(signum, _frame):
+        log(f"received {signal.Signals(signum).name}, stopping workers")
+        launcher.stop(signal.SIGTERM)
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        launcher.start()
+        return launcher.wait()
+    finally:
+        launcher.close()
+        for s, h in old.items():
+            signal.signal(s, h)

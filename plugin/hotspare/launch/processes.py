@@ -1,0 +1,147 @@
+"""The processes a launcher starts: their record, how a failing exit is seen before the process
+is gone, parent-death, stack dumps, signals to a worker's whole session."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from .. import control
+
+
+def log(msg: str) -> None:
+    print(f"[hotspare-run] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Worker:
+    """One process this launcher started."""
+
+    wid: str
+    node: int
+    proc: subprocess.Popen
+    rank: int = -1
+    """Active rank, or -1 while a spare."""
+    done: bool = False
+    """Exit handled (reported or accepted)."""
+    beat: int = -1
+    beat_seen: float = 0.0
+    beat_timeout: float = 0.0
+    pidfd: int = -1
+    """A descriptor that turns readable when the process exits (Linux pidfd), -1 without one."""
+    stat_fd: int = -1
+    """/proc/<pid>/stat, open: read for a failing exit that has begun (:func:`exiting_status`)."""
+    dying: bool = False
+    """Its failing exit began and was reported; the process is still being torn down."""
+
+    def __post_init__(self) -> None:
+        if self.pidfd < 0 and hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(self.proc.pid)
+            except OSError:
+                pass  # an old kernel: the launcher's poll sees the exit instead
+        if self.stat_fd < 0:
+            try:
+                self.stat_fd = os.open(f"/proc/{self.proc.pid}/stat", os.O_RDONLY)
+            except OSError:
+                pass  # no procfs: the failure is seen when the process is gone
+
+    def exiting(self) -> int | None:
+        """The status of a failing exit under way (see :func:`exiting_status`), None otherwise."""
+        return exiting_status(self.stat_fd) if self.stat_fd >= 0 and not self.dying else None
+
+    def finish(self) -> None:
+        """Its exit is handled."""
+        self.done = True
+        for fd in (self.pidfd, self.stat_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.pidfd = self.stat_fd = -1
+
+
+PF_EXITING = 0x4
+EXIT_POLL_S = 0.005
+"""How often the launcher reads its workers' /proc/<pid>/stat for a failing exit under way
+(~5 us a worker; the pidfd wakes it only once the process is gone)."""
+
+
+def exiting_status(stat_fd: int) -> int | None:
+    """Whether the process whose /proc/<pid>/stat is open at ``stat_fd`` has begun a failing
+    exit: the status ``Popen.returncode`` will give (-signal, or the exit code), else None.
+
+    A process killed (SIGKILL, an OOM kill, a crash) unmaps its memory before its descriptors
+    close: its peers' connections reset, and its pidfd turns readable, only after that
+    teardown, which takes ~16 ms for a process that imported torch and ~50 ms more per 500 MB
+    it touched here (seconds for a trainer with tens of GB). The kernel sets the task's
+    PF_EXITING flag and exit code before the teardown; /proc shows both (fields 9 and 52) to
+    the parent within a millisecond. An exit with status 0 is not a failure: None.
+    """
+    try:
+        data = os.pread(stat_fd, 1024, 0)
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    if len(fields) < 50:
+        return None  # a kernel before 3.5 (no exit_code field)
+    flags, status = int(fields[6]), int(fields[49])
+    if not flags & PF_EXITING or status == 0:
+        return None
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+STACKS_WAIT_S = 1.0
+"""At most this long for a stuck worker to take the signal that has it write its stacks."""
+
+
+def signal_pending(pid: int, sig: int) -> bool:
+    """``sig`` sent to process ``pid`` and not yet taken by it (``ShdPnd`` of /proc/<pid>/status)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("ShdPnd:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a forked child calls it, nothing more
+
+
+def die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: the child is SIGKILLed when its parent (the launcher) dies, however it
+    dies (Linux ``PR_SET_PDEATHSIG``, kept across exec); a parent already gone ends it at once.
+    The launcher starts its children from its main thread (the signal follows the thread that
+    forked)."""
+    def pre() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return pre
+
+
+def dump_stacks(p: subprocess.Popen) -> None:
+    """Have a worker write its threads' stacks to its stderr (see control.STACKS_SIGNAL): send the
+    signal, wait until the worker took it (a loaded machine may not run it at once), then give
+    the handler a moment to write."""
+    try:
+        os.kill(p.pid, control.STACKS_SIGNAL)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + STACKS_WAIT_S
+    while signal_pending(p.pid, control.STACKS_SIGNAL) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+
+
+def signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
