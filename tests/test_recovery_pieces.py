@@ -237,33 +237,41 @@ def test_the_reaper_lets_go_of_a_group_still_held_when_its_wait_runs_out_or_it_i
     assert reaper.finish() and reaper.left == 1 and sys.getrefcount(held) == 2
 
 
-def test_an_alarm_that_comes_after_the_training_thread_began_leaving_is_dropped(monkeypatch):
+def test_an_alarm_that_comes_after_the_training_thread_began_leaving_is_dropped():
     """The alarm thread may pass its check, then run only once the training thread saw the
     failure on its own and began its recovery. Run then, it marked the next generation failed:
     that generation's first forward raised and a second, spurious recovery followed (seen on
-    DeepSpeed in recipes/bench_recovery.py). Now it is dropped: no second break of the
-    connections, and the next generation's forward goes on."""
+    DeepSpeed in recipes/bench_recovery.py). Now it is dropped: no second leaving (break of the
+    connections), and the next generation's forward goes on."""
+    from hotspare.alarm import AlarmGuard
+    from hotspare.recovery import GenerationFailed
+
+    left = []
+    alarm = AlarmGuard(left.append)
+    alarm.raise_if_alarmed(0)  # not alarmed: goes on
+    assert alarm.superseded(0) and left == [0]
+    with pytest.raises(GenerationFailed, match="generation 0 failed"):
+        alarm.raise_if_alarmed(0)
+    alarm.begin_leaving(0)
+    assert not alarm.superseded(0) and left == [0]  # late: the training thread answers it
+    alarm.raise_if_alarmed(1)  # the next generation is not marked failed
+    assert alarm.superseded(1) and left == [0, 1]
+    with pytest.raises(GenerationFailed, match="generation 1 failed"):
+        alarm.raise_if_alarmed(1)
+
+
+def test_a_sessions_alarm_leaves_by_breaking_its_connections(monkeypatch):
+    """The session's leaving on an alarm (gloo): every connection but the store's is broken."""
     from hotspare import session as session_mod
     from hotspare.generation import Generation
-    from hotspare.session import GenerationFailed, Session
+    from hotspare.session import Session
 
     broken = []
     monkeypatch.setattr(session_mod, "break_connections", lambda keep: broken.append(keep) or sockets.Broken(0, 0))
     s = Session(config=None, generation=Generation(0, 1, 2), store=None)
-    s._check_alarm(None, ())  # not alarmed: goes on
-    s._superseded(0)
-    assert len(broken) == 1
-    with pytest.raises(GenerationFailed, match="generation 0 failed"):
-        s._check_alarm(None, ())
-    s._begin_leaving()
-    s._superseded(0)  # late: the training thread answers it
-    assert len(broken) == 1
-    s.generation = Generation(1, 1, 2)
-    s._check_alarm(None, ())  # the next generation is not marked failed
-    s._superseded(1)
-    assert len(broken) == 2
-    with pytest.raises(GenerationFailed, match="generation 1 failed"):
-        s._check_alarm(None, ())
+    assert s.alarm.superseded(0) and len(broken) == 1
+    s.alarm.begin_leaving(0)
+    assert not s.alarm.superseded(0) and len(broken) == 1
 
 
 @pytest.mark.parametrize("failed_at, landed", [(5, 4), (5, 5), (-1, 3)], ids=["lost-1", "lost-0", "spare-at-rank-0"])

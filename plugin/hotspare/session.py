@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import functools
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, control, env, erasure, rebuild
+from .alarm import AlarmGuard
 from .config import ConfigError, HotspareConfig
 from .events import EventLog, log
 from .generation import Generation, Superseded, join, leave
@@ -32,7 +32,7 @@ from .keeper import KeeperClient, KeeperError
 from .mirror import NO_VERSION, Inherited, Mirror, MirrorError
 from .placement import place
 from .planning import KEEPER, STRIPE, NoConsistentVersion, choose_version
-from .recovery import (GenerationFailed, RecoveryError, exchange_holdings, is_distributed_error, is_timeout,
+from .recovery import (RecoveryError, exchange_holdings, is_distributed_error, is_timeout,
                        start_fetch)
 from .retain import RetainedSnapshots
 from .snapshot import Layout
@@ -107,15 +107,13 @@ class Session:
         return self._control
 
     def __post_init__(self) -> None:
-        self._alarm_lock = threading.Lock()
-        self._alarmed = -1  # the generation the coordinator's alarm said failed (while this worker trained in it)
-        self._leaving = -1  # the newest generation the training thread began to leave
+        self.alarm = AlarmGuard(self._leave_alarmed)
         self._interrupts = []
         if self.heartbeat is not None:
             # A forward under way raises once the generation failed (see _check_alarm).
             self._interrupts = [m.register_forward_pre_hook(self._check_alarm) for m in self._interruptible()]
         if self.heartbeat is not None and not self.spare:
-            self.heartbeat.watch(self.generation.index, functools.partial(self._superseded, self.generation.index))
+            self.heartbeat.watch(self.generation.index, functools.partial(self.alarm.superseded, self.generation.index))
 
     def _interruptible(self) -> list:
         """The modules whose forward checks for the coordinator's alarm: where a step computes
@@ -124,32 +122,20 @@ class Session:
         return []
 
     def _check_alarm(self, module, args) -> None:
-        if self._alarmed == self.generation.index:
-            raise GenerationFailed(f"the coordinator says generation {self.generation.index} failed (a peer "
-                                   f"died or left); leaving the step for the recovery")
+        """A forward pre-hook: the step leaves for the recovery once the generation failed."""
+        self.alarm.raise_if_alarmed(self.generation.index)
 
-    def _superseded(self, generation: int) -> None:
+    def _leave_alarmed(self, generation: int) -> None:
         """The coordinator said that ``generation`` failed (its alarm, or the next generation's
-        plan) while this worker still trains in it: a peer is dying (its sockets reset only once
-        the kernel tore down its memory) or was given up without a broken socket (a lost or
-        partitioned node). Whatever collective the training thread waits in raises now, and the
-        next one at once, instead of at its timeout.
-
-        Under ``_alarm_lock``, against the training thread's :meth:`recover`: an alarm that comes
-        once the training thread began to leave that generation on its own is dropped. Run after
-        it, it would mark the next generation failed (its first forward raised: a spurious
-        second recovery, seen on DeepSpeed) or break the next generation's new connections."""
-        with self._alarm_lock:
-            if generation <= self._leaving:
-                return
-            log(f"rank {self.generation.rank}: the coordinator says generation {generation} failed; leaving it now")
-            self._alarmed = generation
-            if self.backend != "gloo":
-                try:  # (a walk of the host's objects: for NCCL's communicators only)
-                    abort_nccl([r.group for r in self.host_groups()])
-                except Exception:  # noqa: BLE001 - best effort from another thread; the sockets are next
-                    pass
-            self._break_connections()
+        plan) while this worker still trains in it (alarm.py): whatever collective the training
+        thread waits in raises now, and the next one at once, instead of at its timeout."""
+        log(f"rank {self.generation.rank}: the coordinator says generation {generation} failed; leaving it now")
+        if self.backend != "gloo":
+            try:  # (a walk of the host's objects: for NCCL's communicators only)
+                abort_nccl([r.group for r in self.host_groups()])
+            except Exception:  # noqa: BLE001 - best effort from another thread; the sockets are next
+                pass
+        self._break_connections()
 
     def _break_connections(self) -> int:
         """Shut down every connection but the control store's (sockets.py); returns how many.
@@ -163,12 +149,6 @@ class Session:
                 f"(recovery.collective_timeout_s={timeout:g})")
             self.events("cut_mid_payload", connections=broken.forced)
         return broken.count
-
-    def _begin_leaving(self) -> None:
-        """The training thread leaves its generation: an alarm for it that comes from now on is
-        answered already (see :meth:`_superseded`)."""
-        with self._alarm_lock:
-            self._leaving = self.generation.index
 
     # ---- the training-loop API ---------------------------------------------------------------
 
@@ -243,7 +223,7 @@ class Session:
         t0 = time.monotonic()
         if self.heartbeat is not None:
             self.heartbeat.watch(None)
-        self._begin_leaving()
+        self.alarm.begin_leaving(self.generation.index)
         failed_at = self.step_count()
         # The coordinator first: once every survivor has said so, it plans without waiting out
         # its settle window (the walk for the host's groups comes after).
@@ -413,7 +393,7 @@ class Session:
             landing=(version, holdings) if lost is None else None)
         self._drop_kept()
         if self.heartbeat is not None:
-            self.heartbeat.watch(gen.index, functools.partial(self._superseded, gen.index))
+            self.heartbeat.watch(gen.index, functools.partial(self.alarm.superseded, gen.index))
         if self.mirror is not None and (lost is not None or self.mirror.stripe is not None
                                         or cfg.retain.tier2 == "stripe"):
             # A full mirror's first round never writes over the version before the landing one
