@@ -168,7 +168,7 @@ def test_the_coordinator_goes_on_past_entries_that_do_not_parse():
 
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=2, logical_nodes=2,
                                                  settle_s=0.0))
-    launcher._open_store()
+    launcher.open_store()
     plane = launcher.control
     coordinator = Coordinator(launcher.spec, plane, launcher.world_size, launcher.port)
     for counter, prefix in ((keys.SPARE_COUNT, keys.SPARE), (keys.FAIL_COUNT, keys.FAIL),

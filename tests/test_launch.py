@@ -333,7 +333,7 @@ def test_the_coordinator_plans_once_every_worker_is_accounted_for_not_before():
 
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
                                                  settle_s=30.0))
-    launcher._open_store()
+    launcher.open_store()
     coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port)
     plane = launcher.control
     plane.register_spare("s0.0", 0)
@@ -356,7 +356,7 @@ def test_the_coordinator_alarms_every_worker_of_a_generation_once_it_learns_that
 
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
                                                  settle_s=30.0))
-    launcher._open_store()
+    launcher.open_store()
     store = launcher.store
     coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port)
     plane = launcher.control
@@ -380,7 +380,7 @@ def test_a_member_still_in_a_failed_generation_after_the_grace_is_killed_as_stuc
 
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
                                                  spares_per_node=1, stall_grace_s=0.2))
-    launcher._open_store()
+    launcher.open_store()
     store = launcher.store
     now = [100.0]  # the coordinator's clock, driven here: no sleeps, no timing of this machine
     coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port, clock=lambda: now[0])
@@ -591,9 +591,9 @@ def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_c
         assert event.wait(10) and len(fired) == 2
         hb.watch(3, callback)
         deadline = time.monotonic() + 10
-        while hb._listening != 3 and time.monotonic() < deadline:
+        while hb.listening != 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert hb._listening == 3  # blocked on generation 3's key: close must end that wait
+        assert hb.listening == 3  # blocked on generation 3's key: close must end that wait
     finally:
         hb.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("hotspare-")]
@@ -652,7 +652,7 @@ def _coordinator_with_spares(count: int, trained: bool = True, **spec):
 
     launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
                                                  spares_per_node=4, settle_s=0.0, **spec))
-    launcher._open_store()
+    launcher.open_store()
     coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port)
     plane = launcher.control
     if trained:

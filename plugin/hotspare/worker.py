@@ -73,6 +73,11 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"hotspare-heartbeat-{wid}", daemon=True)
         self._thread.start()
 
+    @property
+    def listening(self) -> int | None:
+        """The generation whose alarm the alarm thread waits for now (None: not waiting yet)."""
+        return self._listening
+
     def watch(self, generation: int | None, on_superseded=None) -> None:
         """While this worker trains in ``generation``, call ``on_superseded()`` (from another
         thread) as soon as the coordinator says that generation failed (its alarm) or plans the

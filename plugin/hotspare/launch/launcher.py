@@ -66,7 +66,10 @@ class Launcher:
     def world_size(self) -> int:
         return self.spec.nnodes * self.spec.nproc_per_node
 
-    def _open_store(self) -> int:
+    def open_store(self) -> int:
+        """Node 0: start the control store (on ``--master-addr`` only) and publish the job's id,
+        signed; another node: connect to it and take the job's id, refused without the job's
+        secret. Returns the store's port; ``control`` is the signed view of it from then on."""
         import torch.distributed as dist
 
         from ..generation import connect_store
@@ -201,7 +204,7 @@ class Launcher:
         # Decide DeepSpeed's accelerator once, here, so every worker agrees (DS_ACCELERATOR=cpu
         # when this node has no GPU; a user's own setting is kept).
         env.configure_accelerator()
-        self.port = self._open_store()
+        self.port = self.open_store()
         self._advertise()
         if self.spec.node_rank == 0:
             self.coordinator = Coordinator(self.spec, self.control, self.world_size, self.port)
