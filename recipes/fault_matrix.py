@@ -49,7 +49,7 @@ from hotspare.launch import ABORT_EXIT_CODE  # noqa: E402
 from hotspare.testing import faults as catalogue  # noqa: E402
 
 FRAMEWORKS = ("zero1", "zero2", "zero3", "megatron")
-HOST_FAULTS = ("cut", "slow", "node")
+HOST_FAULTS = ("cut", "slow", "node", "blip", "launcher0", "launcher1")
 SLOW_MBIT = 20.0
 """The slow link's rate: a step's collectives and mirror copy take about a second on it."""
 TARGETS = ("first", "middle", "last", "spare")
@@ -96,7 +96,10 @@ class FaultMatrixConfig(gpt_job.GPTJobConfig):
     host faults (``host_faults``) instead of the catalogue's."""
     host_faults: list[str] = field(default_factory=lambda: list(HOST_FAULTS))
     """cut (host 1's link down: a partition), slow (host 1's link rate-limited so mirror transfers
-    miss the in-flight window, then a rank of it killed), node (every process of host 1 killed)."""
+    miss the in-flight window, then a rank of it killed), node (every process of host 1 killed),
+    blip (host 1's link down for half of ``node_timeout_s``, then back), launcher0 / launcher1
+    (SIGKILL of that host's hotspare-run alone: nothing of the job may be alive 15 s later after
+    node 0's, and node 1's ranks are replaced like a lost node's after node 1's)."""
     host_fault_after_s: float = 4.0
     """Seconds after training started that the host fault strikes."""
     node_timeout_s: float = 3.0
@@ -261,6 +264,23 @@ def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_
                 info["fault_at_s"] = time.monotonic() - t0
                 if fault == "cut":
                     hosts.cut(1)
+                elif fault == "blip":
+                    hosts.cut(1)
+                    time.sleep(node_timeout_s / 2)
+                    hosts.heal(1)
+                elif fault in ("launcher0", "launcher1"):
+                    job_id = f"hosts{os.getpid()}"
+                    info["alive_before"] = len(job_processes(job_id))
+                    procs[int(fault[-1])].kill()
+                    deadline = time.monotonic() + 15
+                    if fault == "launcher0":
+                        while job_processes(job_id) and time.monotonic() < deadline:
+                            time.sleep(0.2)
+                        info["alive_after_15s"] = len(job_processes(job_id))
+                    else:  # host 1's own processes: its launcher's workers, spares and keeper
+                        while hosts.host_pids(1) and time.monotonic() < deadline:
+                            time.sleep(0.2)
+                        info["host1_alive_after_15s"] = len(hosts.host_pids(1))
                 elif fault == "node":
                     for pid in hosts.host_pids(1):
                         try:
@@ -364,6 +384,14 @@ def hosts_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[dict
             code, tail, info = run_on_hosts(job, out_dir, matrix.spares, matrix.case_timeout_s,
                                             matrix.node_timeout_s, fault, matrix.host_fault_after_s)
             row = classify(code, tail, ranks_of(out_dir), ref, world)
+            if fault == "launcher0":
+                clean = info["alive_after_15s"] == 0 and info["alive_before"] > 0 and info.get("host1_exit") == 4
+                row = {**row, "outcome": "stopped_cleanly" if clean else "wrong", "note":
+                       "node 1 fenced (exit 4); nothing of the job alive 15 s after node 0's launcher died" if clean
+                       else f"{info['alive_after_15s']} process(es) alive 15 s later, node 1's exit "
+                            f"{info.get('host1_exit')}"}
+            elif fault == "blip" and row["outcome"] == "wrong" and row["bitwise_identical"]:
+                row = {**row, "outcome": "unaffected", "note": "the link came back before node 0 gave node 1 up"}
             info["mirror_waits"] = _count_events(os.path.join(out_dir, "events"), "mirror_wait")
             row = {"case": f"hosts/{framework}/{fault}", "fault": f"host_{fault}", "phase": "any",
                    "rank": "host 1", "framework": framework, **row, "seconds": time.monotonic() - t0,

@@ -535,6 +535,40 @@ def test_a_stranger_on_the_store_port_cannot_act_on_the_job(tmp_path, no_leaks):
     assert all((tmp_path / f"done.a{r}").exists() for r in range(2))
 
 
+def test_a_signed_value_of_the_wrong_shape_stops_the_job_naming_its_key(tmp_path, no_leaks):
+    """A value signed with the job's secret that is not what its key holds (only a bug can write
+    one) stops the job with that key named and exit code BAD_CONTROL_EXIT_CODE, no traceback."""
+    import torch.distributed as dist
+
+    from hotspare.control import auth
+
+    script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    port = _free_port()
+    secret = tmp_path / "job.secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    log = tmp_path / "job.log"
+    env = {**os.environ, "RUN_UNTIL": "never", "RUN_S": "0"}
+    with open(log, "w") as out:
+        job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--master-port",
+                                str(port), "--job-id", "badjob", "--job-secret-file", str(secret), script,
+                                str(tmp_path)], env=env, stderr=out)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        plane = control.ControlStore(store, auth.Signer(auth.read_secret_file(str(secret)), "badjob"))
+        deadline = time.monotonic() + 60
+        while plane.beats("a0") is None or plane.beats("a1") is None:
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()
+            time.sleep(0.05)
+        plane._set(control.keys.plan(1), '{"generation": 1}')
+        assert job.wait(timeout=60) == launch.BAD_CONTROL_EXIT_CODE, log.read_text()
+    finally:
+        job.kill()
+        job.wait()
+    text = log.read_text()
+    assert "error: control store key 'plan/1': missing field(s)" in text and "Traceback" not in text, text
+
+
 def test_spares_only_needs_a_new_node_index_and_the_jobs_store():
     with pytest.raises(ValueError, match="--spares-only joins a running job as a new node"):
         launch.LaunchSpec(script=["x.py"], spares_only=True, spares_per_node=1, master_port=5).validate()

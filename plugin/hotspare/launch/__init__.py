@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from .buildlocks import STALE_LOCK_S, extensions_root, warn_stale_build_locks
 from .cli import main, parse_args
-from .launcher import ABORT_EXIT_CODE, FENCED_EXIT_CODE, POLL_INTERVAL_S, Launcher, run
+from .launcher import ABORT_EXIT_CODE, BAD_CONTROL_EXIT_CODE, FENCED_EXIT_CODE, POLL_INTERVAL_S, Launcher, run
 from .network import interface_of, listen_socket, route_to
 from .processes import Worker, die_with_parent, dump_stacks
 from .spec import LaunchSpec
 
 __all__ = ["STALE_LOCK_S", "extensions_root", "warn_stale_build_locks", "main", "parse_args", "ABORT_EXIT_CODE",
+           "BAD_CONTROL_EXIT_CODE",
            "FENCED_EXIT_CODE", "POLL_INTERVAL_S", "Launcher", "run", "interface_of", "listen_socket", "route_to",
            "Worker", "die_with_parent", "dump_stacks", "LaunchSpec"]

@@ -28,6 +28,10 @@ ABORT_EXIT_CODE = 3
 FENCED_EXIT_CODE = 4
 """Exit code of a launcher that lost the control store for ``node_timeout_s`` and stopped its
 workers (partitioned from node 0, or node 0 died)."""
+BAD_CONTROL_EXIT_CODE = 5
+"""Exit code of a launcher that read a control value signed by the job but not of the shape its
+key holds (a bug: a stranger's values are ignored, unsigned)."""
+
 
 class Launcher:
     """Starts and watches this node's workers; node 0's launcher also coordinates recoveries.
@@ -358,11 +362,16 @@ class Launcher:
     def wait(self) -> int:
         """Block until the job ends; return its exit code."""
         while True:
-            self._watch()
-            if self.coordinator is not None:
-                self.coordinator.step()
-            self._follow_plans()
-            self._start_successors()
+            try:
+                self._watch()
+                if self.coordinator is not None:
+                    self.coordinator.step()
+                self._follow_plans()
+                self._start_successors()
+            except control.BadMessage as exc:  # signed by the job, but not what the key holds: a bug
+                log(f"error: {exc}; this launcher cannot follow the job's plans with it: stopping its workers "
+                    f"(exit {BAD_CONTROL_EXIT_CODE})")
+                self.exit_code = BAD_CONTROL_EXIT_CODE
             aborted = self.control.abort_message() if self.exit_code is None else None
             if aborted is not None:
                 log(f"a worker stopped the job: {aborted}")
