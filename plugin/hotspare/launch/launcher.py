@@ -108,13 +108,13 @@ class Launcher:
         self.control.publish_job(self.job_id)
         return self.store.port
 
-    def _fence(self, silent_s: float) -> None:
+    def _fence(self, silent_s: float, why: str = "") -> None:
         """This node lost the control store: stop every worker and keeper of this node, so that
         nothing acts on a stale view of the job (node 0 has declared this node lost and given its
         ranks to spares by now), and exit with FENCED_EXIT_CODE."""
+        lost = why or f"for {silent_s:.1f} s (partitioned from node 0, or node 0 is down)"
         log(f"node {self.spec.node_rank} cannot reach the control store at {self.spec.master_addr}:"
-             f"{self.spec.master_port} for {silent_s:.1f} s (partitioned from node 0, or node 0 is down): "
-             f"stopping this node's workers (fenced), exit code {FENCED_EXIT_CODE}")
+            f"{self.spec.master_port} {lost}: stopping this node's workers (fenced), exit code {FENCED_EXIT_CODE}")
         for w in self.workers.values():
             if w.proc.poll() is None:
                 signal_group(w.proc, signal.SIGKILL)
@@ -372,6 +372,11 @@ class Launcher:
                 log(f"error: {exc}; this launcher cannot follow the job's plans with it: stopping its workers "
                     f"(exit {BAD_CONTROL_EXIT_CODE})")
                 self.exit_code = BAD_CONTROL_EXIT_CODE
+            except Exception as exc:  # noqa: BLE001 - re-raised unless it is the store lost
+                if self.spec.node_rank == 0 or not _store_lost(exc):
+                    raise  # node 0's store is its own: never lost
+                self._fence(0.0, why=f"(its connection failed: {str(exc).splitlines()[0][:200]}; node 0's "
+                                     f"launcher is gone or cut off)")
             aborted = self.control.abort_message() if self.exit_code is None else None
             if aborted is not None:
                 log(f"a worker stopped the job: {aborted}")
@@ -456,6 +461,13 @@ class _Successor:
     failures_read: int
     """The plan's ``failures_read``: a failure beyond it needs this spare now."""
     deadline: float
+
+
+def _store_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is the control store's connection failing (torch's store errors)."""
+    import torch.distributed as dist
+
+    return isinstance(exc, (ConnectionError, dist.DistNetworkError, dist.DistStoreError))
 
 
 def _failed(w: Worker) -> bool:
