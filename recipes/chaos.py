@@ -101,9 +101,7 @@ def soak(cfg: ChaosConfig, job, out_dir: str) -> tuple[int | None, list[dict], s
     spec = gpt_job.launch_spec(job, out_dir, worker=worker, spares_per_node=cfg.spares, mode="hotspare")
     spec.job_id = f"chaos{os.getpid()}"
     # The soak reads the job's plans as an operator would: with the job's secret.
-    spec.job_secret_file = os.path.join(out_dir, "job.secret")
-    with open(os.open(spec.job_secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(auth.new_secret().hex())
+    spec.job_secret_file = auth.write_secret_file(os.path.join(out_dir, "job.secret"))
     signer = auth.Signer(auth.read_secret_file(spec.job_secret_file), spec.job_id)
     log_path = os.path.join(out_dir, "launcher.log")
     kills: list[dict] = []

@@ -204,19 +204,16 @@ def run_job(job, out_dir: str, spares: int, timeout_s: float, **options) -> tupl
 def stop(proc: subprocess.Popen, job_id: str) -> None:
     """SIGTERM the launcher (it stops its workers and keepers, SIGKILL after its grace period),
     then SIGKILL it and any process of the job still there (a stopped worker, say)."""
-    import psutil
-
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    for p in psutil.process_iter():
+    for pid in job_processes(job_id):
         try:
-            if p.pid != os.getpid() and p.environ().get("HOTSPARE_JOB_ID") == job_id:
-                p.kill()
-        except psutil.Error:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
@@ -224,10 +221,7 @@ def write_secret(out_dir: str) -> str:
     """A job secret file (owner-only) for the launchers of a job on several nodes."""
     from hotspare.control import auth
 
-    path = os.path.join(out_dir, "job.secret")
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
-        f.write(auth.new_secret().hex())
-    return path
+    return auth.write_secret_file(os.path.join(out_dir, "job.secret"))
 
 
 def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_s: float, fault: str = "",

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from hotspare import control, launch
+from hotspare.control import auth
 
 ENV_DUMP = textwrap.dedent("""
     import json, os, sys
@@ -452,10 +453,8 @@ def test_with_spare_wait_the_job_waits_for_a_replacement_node_that_brings_spares
     spares) until a launcher started later with --spares-only registers one, which takes the rank."""
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     port = _free_port()
-    secret = tmp_path / "job.secret"
-    secret.write_text(os.urandom(32).hex())
-    secret.chmod(0o600)
-    env = {**os.environ, "FAIL_a1": "exit", "RUN_S": "10", "HOTSPARE_JOB_SECRET_FILE": str(secret)}
+    secret = auth.write_secret_file(str(tmp_path / "job.secret"))
+    env = {**os.environ, "FAIL_a1": "exit", "RUN_S": "10", "HOTSPARE_JOB_SECRET_FILE": secret}
     log = tmp_path / "job.log"
     with open(log, "w") as out:
         job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--master-port",
@@ -516,11 +515,9 @@ def test_a_stranger_on_the_store_port_cannot_act_on_the_job(tmp_path, no_leaks):
         while not all(f"control store key {k}: not signed" in log.read_text() for k in forged):
             assert time.monotonic() < deadline and job.poll() is None, log.read_text()
             time.sleep(0.05)
-        other = tmp_path / "other.secret"
-        other.write_text(os.urandom(32).hex())
-        other.chmod(0o600)
+        other = auth.write_secret_file(str(tmp_path / "other.secret"))
         intruder = subprocess.run([sys.executable, "-m", "hotspare.launch", "--nnodes", "2", "--node-rank", "1",
-                                   "--master-port", str(port), "--job-secret-file", str(other), script, str(tmp_path)],
+                                   "--master-port", str(port), "--job-secret-file", other, script, str(tmp_path)],
                                   capture_output=True, text=True, timeout=60)
         assert intruder.returncode == 2 and "not signed with this process's job secret" in intruder.stderr, \
             intruder.stderr
@@ -540,22 +537,18 @@ def test_a_signed_value_of_the_wrong_shape_stops_the_job_naming_its_key(tmp_path
     one) stops the job with that key named and exit code BAD_CONTROL_EXIT_CODE, no traceback."""
     import torch.distributed as dist
 
-    from hotspare.control import auth
-
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     port = _free_port()
-    secret = tmp_path / "job.secret"
-    secret.write_text(os.urandom(32).hex())
-    secret.chmod(0o600)
+    secret = auth.write_secret_file(str(tmp_path / "job.secret"))
     log = tmp_path / "job.log"
     env = {**os.environ, "RUN_UNTIL": "never", "RUN_S": "0"}
     with open(log, "w") as out:
         job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--master-port",
-                                str(port), "--job-id", "badjob", "--job-secret-file", str(secret), script,
+                                str(port), "--job-id", "badjob", "--job-secret-file", secret, script,
                                 str(tmp_path)], env=env, stderr=out)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        plane = control.ControlStore(store, auth.Signer(auth.read_secret_file(str(secret)), "badjob"))
+        plane = control.ControlStore(store, auth.Signer(auth.read_secret_file(secret), "badjob"))
         deadline = time.monotonic() + 60
         while plane.beats("a0") is None or plane.beats("a1") is None:
             assert time.monotonic() < deadline and job.poll() is None, log.read_text()

@@ -56,6 +56,14 @@ def read_secret_file(path: str) -> bytes:
     return data
 
 
+def write_secret_file(path: str) -> str:
+    """Make a new job secret in ``path``, readable and writable by its owner only (for the
+    launchers' ``--job-secret-file``); returns ``path``."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="ascii") as f:
+        f.write(new_secret().hex())
+    return path
+
+
 def secret_from_env() -> bytes:
     text = os.environ.get(env.HOTSPARE_JOB_SECRET, "")
     try:

@@ -46,8 +46,6 @@ class Failure:
     silence; 'watchdog' the peers' collective timeout plus the wait for the stragglers' reports;
     'exit' 0 (the exit is seen within one poll, ``launch.POLL_INTERVAL_S``)."""
 
-    REASONS = ("exit", "heartbeat", "watchdog", "node")
-
 
 @dataclass
 class Prepare:

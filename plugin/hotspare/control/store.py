@@ -142,9 +142,6 @@ class ControlStore:
             i += 1
         return out, i
 
-    def count(self, counter: str) -> int:
-        return int(self.raw.add(counter, 0))
-
     def report_failure(self, failure: Failure) -> int:
         return self._append(keys.FAIL_COUNT, keys.FAIL, to_json(failure))
 
@@ -152,7 +149,7 @@ class ControlStore:
         return self._entries(keys.FAIL_COUNT, keys.FAIL, start, Failure)
 
     def failure_count(self) -> int:
-        return self.count(keys.FAIL_COUNT)
+        return int(self.raw.add(keys.FAIL_COUNT, 0))
 
     def register_spare(self, wid: str, node: int) -> int:
         return self._append(keys.SPARE_COUNT, keys.SPARE, to_json(Spare(wid, node)))
