@@ -28,6 +28,7 @@ def run(out, stage, kill="none", accum=1, spares=1, ckpt_every=0, collective_tim
         script=[WORKER, str(stage), str(out), kill, str(accum), str(STEPS), str(ckpt_every)], nproc_per_node=ranks,
         logical_nodes=nodes, spares_per_node=spares, stall_grace_s=2.0,
         extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": WORKERS, "HS_TEST_TIER2": tier2,
+                   "HS_TEST_SPARES": f"{nodes}:{spares}",
                    "HS_TEST_COLLECTIVE_TIMEOUT_S": str(collective_timeout_s),
                    "HS_TEST_RENDEZVOUS_TIMEOUT_S": str(rendezvous_timeout_s),
                    **{f"HS_TEST_{k.upper()}": str(v) for k, v in case}}))

@@ -15,6 +15,7 @@ CKPT_EVERY > 0 saves a persistent checkpoint into OUT/ckpt every that many steps
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from hotspare import faults as fault_points
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
 from hotspare.testing import statedigest
 from hotspare.testing.groups import dead_groups_held
+from hotspare.control.keys import spare_id
 from hotspare.worker import worker_id
 from tiny import batch, initialize_kwargs, loss_of, tiny_model_and_config
 
@@ -47,6 +49,20 @@ KEEPER_FAULTS = {"write": ("snapshot_write", 2), "seal": ("keeper_seal", 1), "co
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_for_spares(session) -> None:
+    """Before a test's first fault: every spare the launcher starts (HS_TEST_SPARES =
+    "nodes:per_node") is ready. A failure before a spare of the dead rank's own node is ready is
+    taken by a ready spare of another node, whose keeper holds nothing of the rank: the run is
+    right, but not the takeover the test checks (seen on a loaded CI machine at step 2)."""
+    nodes, per_node = (int(x) for x in os.environ.get("HS_TEST_SPARES", "0:0").split(":"))
+    wanted = [spare_id(n, k) for n in range(nodes) for k in range(per_node)]
+    deadline = time.monotonic() + 120
+    while not all(session.control.is_ready(w) for w in wanted):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"spares {wanted} not all ready after 120 s")
+        time.sleep(0.05)
 
 
 def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: int = 0) -> None:
@@ -74,6 +90,8 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
     for spec in ([] if kill == "none" else kill.split(",")):
         r, s, m, phase = spec.split(":")
         faults[(int(r), int(s), int(m))] = phase
+    if faults and wid == f"a{rank}":
+        wait_for_spares(session)
     losses: dict[int, str] = {}
     transient_done: list = []
 
@@ -92,6 +110,13 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
             deadline = time.monotonic() + 60
             while session.store.add(key, 0) < len(together) and time.monotonic() < deadline:
                 time.sleep(0.001)
+        die()
+
+    def die_after_others(step: int) -> None:
+        others = [f"test/stepped/{step}/{r}" for r in range(session.generation.world_size) if r != rank]
+        deadline = time.monotonic() + 60
+        while not session.store.check(others) and time.monotonic() < deadline:
+            time.sleep(0.001)
         die()
 
     @session.resilient
@@ -140,8 +165,15 @@ def main(stage: int, out: str, kill: str, accum: int, steps: int, ckpt_every: in
             if phase == "step":
                 die()
             if phase in KEEPER_FAULTS:
-                fault_points.arm(*KEEPER_FAULTS[phase])  # fires inside engine.step's capture or its mirror round
+                # Fires inside engine.step's capture or its mirror round. In the round (off the
+                # training thread), it fires once every other rank has taken the step: else a
+                # slow rank may not have its snapshot of the step yet, and the job lands on the
+                # version before (right, but not the case the test is for).
+                action = functools.partial(die_after_others, step) if phase.startswith("commit") else "kill"
+                fault_points.arm(*KEEPER_FAULTS[phase], action=action)
             engine.step()
+            if faults:  # a spare that took a rank over writes it too
+                session.store.set(f"test/stepped/{step}/{rank}", b"1")
             if phase == "corrupt":
                 session.mirror.flush()  # this step's round (commit records, copies to peers) is complete
                 segment = session.mirror.snapshots.segment
