@@ -519,7 +519,7 @@ def test_a_failure_during_the_first_round_after_a_recovery_finds_the_version_bef
 
 
 def test_settle_waits_for_the_round_is_bounded_and_leaves_its_error_for_the_next_step():
-    """What a recovery's wait for its first round (Session._take_part, phase protect_s) relies on."""
+    """What a recovery's wait for its first round (session.landing.Landing, phase protect_s) relies on."""
     fabric, holders, mirrors = build(n=2, chunk_bytes=1000)
     m0, m1 = mirrors
     try:

@@ -262,7 +262,7 @@ def test_an_alarm_that_comes_after_the_training_thread_began_leaving_is_dropped(
 
 def test_a_sessions_alarm_leaves_by_breaking_its_connections(monkeypatch):
     """The session's leaving on an alarm (gloo): every connection but the store's is broken."""
-    from hotspare import session as session_mod
+    from hotspare.session import core as session_mod
     from hotspare.generation import Generation
     from hotspare.session import Session
 
@@ -281,7 +281,7 @@ def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_in
     the takeover as done) only once a step completed in the new generation and the count is
     back at the step the failure interrupted: not after a resilient call that stepped nothing
     (recipes make their fault hooks resilient too), and not one step late."""
-    from hotspare.session import Session
+    from hotspare.session import CatchUp, Session
 
     class Counted(Session):
         count = landed
@@ -299,7 +299,7 @@ def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_in
                           wait_for_workers=False)
     plane = control.ControlStore(store, auth.Signer(secret, ""))
     s = Counted(config=None, generation=Generation(2, 0, 4), store=store)
-    s._catching_up = (2, failed_at, landed)
+    s.catching_up = CatchUp(2, failed_at, landed)
 
     def step():
         s.count += 1
@@ -311,7 +311,7 @@ def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_in
         s.resilient(step)()
     first = landed + said.index(True)  # the count when it was first said
     assert first == max(failed_at, landed + 1), (first, said)
-    assert plane._text(control.keys.caught_up(2)) == str(first) and s._catching_up is None
+    assert plane._text(control.keys.caught_up(2)) == str(first) and s.catching_up is None
 
 
 ABORT = """import datetime, torch, torch.distributed as dist

@@ -124,7 +124,7 @@ def await_takeover(cfg: HotspareConfig | None, warm_up: Callable[[], Any] = lamb
                    fingerprint: str | None = None) -> Takeover:
     """A spare (``HOTSPARE_ROLE=spare``): warm up, wait for a takeover order, then stand in for
     the rank it names on torch's fake process group (collectives do nothing), so that the host
-    builds that rank's objects while the coordinator plans; :meth:`hotspare.session.Session._join_as_spare`
+    builds that rank's objects while the coordinator plans; :func:`hotspare.session.landing.join_as_spare`
     then joins the survivors' real generation and re-points exactly as they do. Exits the
     process (status 0) when the job ends first."""
     if cfg is None or not cfg.enabled or not cfg.recovery.enabled:

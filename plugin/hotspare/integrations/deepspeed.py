@@ -78,7 +78,7 @@ class DeepSpeedSession(Session):
     def step_count(self) -> int:
         return self.engine.global_steps
 
-    def _interruptible(self) -> list:
+    def interruptible(self) -> list:
         # ZeRO 1/2's forward runs no collective: the blocks of the model check for the alarm
         # (modules with children: a hook per block, not per layer). ZeRO 3's forward gathers
         # parameters, which raise at once on the broken connections (and a hook raising between
@@ -135,13 +135,13 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
     if collective_timeout_s is None:
         collective_timeout_s = hs_config.recovery.collective_timeout_s if hs_config is not None else 120.0
     spare = role() == "spare"
-    store, heartbeat, plan = None, None, None
+    store, heartbeat = None, None
     fp = identity.fingerprint({"deepspeed": ds_config, "hotspare": to_mapping(hs_config) if hs_config else None},
                               {"deepspeed": deepspeed.__version__})
     if spare:
         order = await_takeover(hs_config, lambda: warm_up_spare(ds_config), fp)
-        store, heartbeat, plan, rank, t_order = order.store, order.heartbeat, order.plan, order.rank, order.t_order
-        gen = Generation(order.generation - 1, rank, order.world_size)
+        store, heartbeat = order.store, order.heartbeat
+        gen = Generation(order.generation - 1, order.rank, order.world_size)
     elif dist.is_initialized():
         gen = Generation(index=0, rank=dist.get_rank(), world_size=dist.get_world_size())
     else:
@@ -176,10 +176,7 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
         session.checkpoints = engine.checkpoint_engine = checkpoint.make_engine(
             gen.rank, gen.world_size, hs_config.checkpoint.keep, session.events)
     _wrap_step(session)
-    if spare:
-        session._join_as_spare(plan, rank, t_order)
-    elif gen.world_size > 1:
-        session._start_mirror(*session._hotspare_groups())
+    session.start(order if spare else None)
     return session
 
 

@@ -462,7 +462,7 @@ class MegatronSession(Session):
                         raise
                     self.recover(exc)
                     continue
-                if self._catching_up is not None:
+                if self.catching_up is not None:
                     self._note_caught_up()  # (counted here: resilient returned before the count moved)
 
     def iteration_done(self) -> None:
@@ -547,18 +547,18 @@ class MegatronSession(Session):
 
         return [self.model, self.optimizer, self.scheduler, ps]
 
-    def _stages(self, group) -> list[int]:
+    def stages(self, group) -> list[int]:
         from megatron.core import parallel_state as ps
 
         return gather_ints(ps.get_pipeline_model_parallel_rank(), group)
 
-    def _check_host_groups(self, records) -> None:
+    def check_host_groups(self, records) -> None:
         # Each rank holds only its own groups (its stage's data-parallel group, its pipeline...),
         # so the ranks agree on what makes them all: the parallel layout.
         rebuild.check_same(json.dumps(self.parallel, sort_keys=True, default=str),
                            "the megatron-core parallel layout (initialize_model_parallel's arguments)")
 
-    def _rebuild_host_groups(self, records) -> list:
+    def rebuild_host_groups(self, records) -> list:
         """``initialize_model_parallel`` again in the new generation (collective: every rank makes
         every group), then each old handle the model and optimizer hold is re-pointed to the new
         group of the same name."""
@@ -783,8 +783,5 @@ def initialize(build: Callable[[], tuple], config: Mapping | HotspareConfig | st
     if not data_said and gen.rank == 0 and not spare:
         log(f"WARNING: {NO_DATA_HOOKS}")
     session.keeper = keeper_for(hs, "cuda" if torch.cuda.is_available() else "cpu")
-    if spare:
-        session._join_as_spare(order.plan, order.rank, order.t_order)
-    elif gen.world_size > 1:
-        session._start_mirror(*session._hotspare_groups())
+    session.start(order)
     return session
