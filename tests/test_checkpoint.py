@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hotspare import checkpoint, env
+from hotspare.integrations.deepspeed.checkpoint_engine import make_engine
 
 
 def _tag(directory, step, ranks, world=2):
@@ -60,7 +61,7 @@ class _Info:
 def writer():
     env.configure_accelerator()
     events = []
-    engine = checkpoint.make_engine(rank=0, world_size=1, keep=1, on_event=lambda kind, **f: events.append((kind, f)))
+    engine = make_engine(rank=0, world_size=1, keep=1, on_event=lambda kind, **f: events.append((kind, f)))
     engine.events = events
     yield engine
     engine.close()
@@ -103,7 +104,7 @@ def test_a_failed_write_is_reported_at_the_next_save_and_leaves_no_marker(tmp_pa
 
 def test_close_writes_what_is_queued_and_stops_the_thread(tmp_path):
     env.configure_accelerator()
-    engine = checkpoint.make_engine(rank=0, world_size=1, keep=3)
+    engine = make_engine(rank=0, world_size=1, keep=3)
     (tmp_path / "global_step1").mkdir()
     info = _Info(str(tmp_path), "global_step1")
     engine.create(info)
@@ -111,4 +112,4 @@ def test_close_writes_what_is_queued_and_stops_the_thread(tmp_path):
     engine.commit(info)
     engine.close()
     assert checkpoint.complete_steps(str(tmp_path), 1) == [1]
-    assert not engine._thread.is_alive()
+    assert not engine.writing

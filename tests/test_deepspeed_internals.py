@@ -43,7 +43,7 @@ def test_the_checkpoint_engine_interface_hotspare_overrides():
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from hotspare.checkpoint import engine_class
+    from hotspare.integrations.deepspeed.checkpoint_engine import engine_class
 
     for name in ("create", "save", "load", "commit", "makedirs", "is_decoupled", "preserves_storage_sharing",
                  "is_data_parallel_writer"):

@@ -33,9 +33,9 @@ def test_a_plain_optimizer_is_refused_naming_the_distributed_one():
     with pytest.raises(ConfigError, match=r"torch\.optim\.adam\.Adam.*use_distributed_optimizer=True"):
         megatron.check_optimizer(adam)
     # With hotspare off the build's optimizer is the user's business.
-    assert megatron._build(lambda: ([], adam, None), {}, enabled=False)[1] is adam
+    assert megatron.build_checked(lambda: ([], adam, None), {}, enabled=False)[1] is adam
     with pytest.raises(ConfigError, match="distributed optimizer only"):
-        megatron._build(lambda: ([], adam, None), {}, enabled=True)
+        megatron.build_checked(lambda: ([], adam, None), {}, enabled=True)
 
 
 def test_the_missing_gloo_groups_of_get_megatron_optimizers_defaults_are_named():
@@ -47,4 +47,4 @@ def test_the_missing_gloo_groups_of_get_megatron_optimizers_defaults_are_named()
         return ps.get_data_parallel_group_gloo()  # what the optimizer does; asserts without the twins
 
     with pytest.raises(ConfigError, match="use_gloo_process_groups=False.*create_gloo_process_groups=True"):
-        megatron._build(build, {"create_gloo_process_groups": False}, enabled=True)
+        megatron.build_checked(build, {"create_gloo_process_groups": False}, enabled=True)

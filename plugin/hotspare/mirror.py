@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checksum, erasure, faults
+from . import accelerator, checksum, erasure, faults
 from .devicemem import device_sum
 from .errors import RecoverableError
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
@@ -216,10 +216,8 @@ class Mirror:
         self._copied: list = [None, None]  # per slot: the event of its copy in flight
         self._fence = None  # the newest copy's event: sources must not change before it
         if pin_memory:
-            from deepspeed.accelerator import get_accelerator
-
-            acc = get_accelerator()
-            if acc.Stream is not None:  # DeepSpeed's CPU accelerator has no streams: stay synchronous
+            acc = accelerator.get()
+            if acc.Stream is not None:  # no streams (a CPU accelerator): the capture stays synchronous
                 self._acc, self._stream = acc, acc.Stream()
         self.on_event = on_event or (lambda kind, **fields: None)
         self.stats = MirrorStats()
@@ -434,6 +432,12 @@ class Mirror:
             if copy.committed is None:
                 return NO_VERSION, None
             return copy.version, copy.committed.clone()
+
+    @property
+    def own_versions(self) -> tuple[int, int]:
+        """The versions this rank's two snapshot slots hold (NO_VERSION for an empty or
+        overwritten one)."""
+        return tuple(self._own_version)
 
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait for the round in flight, agree once more, and return the globally committed version."""

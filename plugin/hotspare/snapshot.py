@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import accelerator
+
 ALIGN = 64
 # Metadata is counters, scheduler and optimizer hyper-parameters, RNG leftovers and the data
 # position: about 1-2 KB as JSON. It is sent every step, so its area stays small.
@@ -73,9 +75,7 @@ class Layout:
     def allocate(self, pin: bool = False) -> torch.Tensor:
         buf = torch.zeros(self.nbytes, dtype=torch.uint8)
         if pin:
-            from deepspeed.accelerator import get_accelerator
-
-            buf = get_accelerator().pin_memory(buf)
+            buf = accelerator.get().pin_memory(buf)
         return buf
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -90,9 +90,7 @@ def register_host(buf: torch.Tensor) -> bool:
     registered; False where the accelerator has no such call (DeepSpeed's CPU accelerator, or
     one that is not CUDA/ROCm): copies into ``buf`` are then synchronous, still correct.
     Undo with :func:`unregister_host` before the memory is unmapped."""
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cuda" or not torch.cuda.is_available():
+    if accelerator.get().device_name() != "cuda" or not torch.cuda.is_available():
         return False
     err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
     if int(err) != 0:
