@@ -71,7 +71,7 @@ def test_a_list_entry_that_does_not_parse_is_skipped_and_named_once(plane, capfd
     plane.report_failure(good)
     index = plane.raw.add(keys.FAIL_COUNT, 1) - 1  # a stranger's entry, through the counter as a writer would
     plane.raw.set(f"{keys.FAIL}{index}", "{not json")
-    plane._append(keys.FAIL_COUNT, keys.FAIL, "{not json either}")  # signed, but not a Failure (a bug's)
+    plane.append(keys.FAIL_COUNT, keys.FAIL, "{not json either}")  # signed, but not a Failure (a bug's)
     plane.report_failure(good)
     got, next_index = plane.failures(0)
     assert got == [good, good] and next_index == 4
@@ -131,22 +131,22 @@ def test_a_secret_file_must_be_the_owners_alone(tmp_path):
 
 def test_single_values_of_the_wrong_shape_are_refused_naming_their_key(plane):
     """Signed by the job, but not what the key holds (a bug's): refused naming the key."""
-    plane._set(keys.plan(1), json.dumps({"generation": 1, "world_size": 1}))
+    plane.put(keys.plan(1), json.dumps({"generation": 1, "world_size": 1}))
     with pytest.raises(control.BadMessage, match="'plan/1': missing field"):
         plane.plan(1)
-    plane._set(keys.plan(2), control.Plan(generation=3, world_size=1, workers={"0": "a0"}).to_json())
+    plane.put(keys.plan(2), control.Plan(generation=3, world_size=1, workers={"0": "a0"}).to_json())
     with pytest.raises(control.BadMessage, match="'plan/2': holds the plan of generation 3"):
         plane.plan(2)
     plane.write_plan(control.Plan(generation=3, world_size=1, workers={"0": "a0"}))
     plane.raw.set(keys.plan(4), plane.raw.get(keys.plan(3)))  # a signed plan moved to another key
     assert not plane.has_plan(4)
-    plane._set(keys.heartbeat("a0"), "many")
+    plane.put(keys.heartbeat("a0"), "many")
     with pytest.raises(control.BadMessage, match="'hb/a0'"):
         plane.beats("a0")
-    plane._set(keys.heartbeat_timeout("a0"), "nan")
+    plane.put(keys.heartbeat_timeout("a0"), "nan")
     with pytest.raises(control.BadMessage, match="'hb/a0/timeout'.*finite"):
         plane.beat_timeout("a0")
-    plane._set(keys.ready("s0.0"), "1")
+    plane.put(keys.ready("s0.0"), "1")
     with pytest.raises(control.BadMessage, match="'ready/s0.0'"):
         plane.ready_scope("s0.0")
 
@@ -173,7 +173,7 @@ def test_the_coordinator_goes_on_past_entries_that_do_not_parse():
     coordinator = Coordinator(launcher.spec, plane, launcher.world_size, launcher.port)
     for counter, prefix in ((keys.SPARE_COUNT, keys.SPARE), (keys.FAIL_COUNT, keys.FAIL),
                             (keys.WAIT_COUNT, keys.WAIT)):
-        plane._append(counter, prefix, '{"worker": "a0; kill"}')
+        plane.append(counter, prefix, '{"worker": "a0; kill"}')
     plane.mark_trained()
     plane.register_spare("s0.0", 0)
     plane.set_ready("s0.0", control.SPARE_ANY)

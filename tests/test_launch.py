@@ -553,7 +553,7 @@ def test_a_signed_value_of_the_wrong_shape_stops_the_job_naming_its_key(tmp_path
         while plane.beats("a0") is None or plane.beats("a1") is None:
             assert time.monotonic() < deadline and job.poll() is None, log.read_text()
             time.sleep(0.05)
-        plane._set(control.keys.plan(1), '{"generation": 1}')
+        plane.put(control.keys.plan(1), '{"generation": 1}')
         assert job.wait(timeout=60) == launch.BAD_CONTROL_EXIT_CODE, log.read_text()
     finally:
         job.kill()

@@ -12,7 +12,7 @@ import torch
 
 from hotspare.mirror import HEADER_BYTES, NO_VERSION, TAG_DATA, TAG_HEADER, Mirror, MirrorError
 from hotspare.placement import place
-from hotspare.snapshot import Layout, read_meta
+from hotspare.snapshot import Header, Layout, read_meta
 from hotspare.transport import LocalFabric, TransferError
 
 
@@ -170,31 +170,24 @@ def test_interrupted_transfer_never_commits_and_keeps_the_previous_version():
 def test_corrupted_bytes_fail_the_checksum_and_are_never_committed():
     fabric, holders, mirrors = build(n=2)
     m0, m1 = mirrors
-    real = m1._receive
+    recv, receiving = m1.transport.recv, []
 
-    def corrupting_receive(src, version):
-        if version == 2:
-            # Flip a byte after it lands but before the check: what a bad link or bit flip does.
-            orig_wait = m1.transport.recv
+    def corrupting_recv(tensor, src, tag):
+        handle = recv(tensor, src, tag)
 
-            def recv(tensor, s, tag):
-                handle = orig_wait(tensor, s, tag)
+        class Flip:
+            def wait(self, timeout_s):
+                handle.wait(timeout_s)
+                if tag == TAG_HEADER:  # a snapshot's first message: which version this is
+                    receiving[:] = [Header.from_tensor(tensor[:HEADER_BYTES].view(torch.int64)).version]
+                if receiving == [2]:
+                    # Flip a byte after it lands but before the check: what a bad link or bit flip does.
+                    at = 100 + (HEADER_BYTES if tag == TAG_HEADER else 0)  # a payload byte
+                    if tensor.numel() > at:
+                        tensor[at] ^= 0xFF
+        return Flip()
 
-                class Flip:
-                    def wait(self, timeout_s):
-                        handle.wait(timeout_s)
-                        at = 100 + (HEADER_BYTES if tag == TAG_HEADER else 0)  # a payload byte
-                        if tensor.numel() > at:
-                            tensor[at] ^= 0xFF
-                return Flip()
-            m1.transport.recv = recv
-            try:
-                return real(src, version)
-            finally:
-                m1.transport.recv = orig_wait
-        return real(src, version)
-
-    m1._receive = corrupting_receive
+    m1.transport.recv = corrupting_recv
 
     def loop(r):
         for v in (1, 2, 3):
@@ -217,14 +210,14 @@ def test_corrupted_bytes_fail_the_checksum_and_are_never_committed():
 def test_in_flight_policy_is_counted(policy):
     fabric, holders, mirrors = build(n=2, in_flight=policy)
     gate = threading.Event()
-    real_round = mirrors[1]._round
+    send = mirrors[1].transport.send
 
-    def slow_round(version, slot, *skips):
-        if version == 1:
+    def slow_send(tensor, dst, tag):
+        if tag == TAG_HEADER and Header.from_tensor(tensor[:HEADER_BYTES].view(torch.int64)).version == 1:
             gate.wait(5)  # round 1 is still in flight when step 2 ends
-        real_round(version, slot, *skips)
+        return send(tensor, dst, tag)
 
-    mirrors[1]._round = slow_round
+    mirrors[1].transport.send = slow_send
 
     def loop(r):
         for v in (1, 2, 3):
@@ -244,7 +237,7 @@ def test_in_flight_policy_is_counted(policy):
                 assert m.stats.waits >= 1 and m.stats.skips == 0 and m.stats.rounds == 3
             else:
                 assert m.stats.waits == 0 and m.stats.skips == 1 and m.stats.rounds == 2
-            assert m.global_committed == max(m._own_version) == 3
+            assert m.global_committed == max(m.own_versions) == 3
         # Both ranks made the same decision: the same versions were sent everywhere.
         assert mirrors[0].stats.skips == mirrors[1].stats.skips
         assert mirrors[0].stats.waits == mirrors[1].stats.waits

@@ -311,7 +311,7 @@ def test_caught_up_is_said_once_a_step_of_the_new_generation_completed_at_the_in
         s.resilient(step)()
     first = landed + said.index(True)  # the count when it was first said
     assert first == max(failed_at, landed + 1), (first, said)
-    assert plane._text(control.keys.caught_up(2)) == str(first) and s.catching_up is None
+    assert plane.text(control.keys.caught_up(2)) == str(first) and s.catching_up is None
 
 
 ABORT = """import datetime, torch, torch.distributed as dist

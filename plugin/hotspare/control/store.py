@@ -48,7 +48,9 @@ class ControlStore:
             _log(f"control store key {key!r}: {problem}")
 
     # ---- values -----------------------------------------------------------------------------
-    def _set(self, key: str, value: str) -> None:
+    def put(self, key: str, value: str) -> None:
+        """Set ``key`` to ``value``, signed. The typed operations below are how the job writes;
+        this and :meth:`text`, :meth:`append` are for them and for tests of what a bad value does."""
         self.raw.set(key, self.signer.sign(key, value))
 
     def _open(self, key: str, stored: bytes) -> str | None:
@@ -57,17 +59,17 @@ class ControlStore:
             self._say_once(key, "not signed with this job's secret (another job's, or a stranger's); ignored")
         return value
 
-    def _text(self, key: str) -> str | None:
+    def text(self, key: str) -> str | None:
         """The value of ``key``, or None if unset or not signed by this job."""
         if not self.raw.check([key]):
             return None
         return self._open(key, self.raw.get(key))
 
     def _has(self, key: str) -> bool:
-        return self._text(key) is not None
+        return self.text(key) is not None
 
     def _int(self, key: str) -> int | None:
-        text = self._text(key)
+        text = self.text(key)
         if text is None:
             return None
         try:
@@ -76,7 +78,7 @@ class ControlStore:
             raise BadMessage(key, f"{text[:80]!r} is not an integer") from None
 
     def _float(self, key: str) -> float | None:
-        text = self._text(key)
+        text = self.text(key)
         if text is None:
             return None
         try:
@@ -101,7 +103,7 @@ class ControlStore:
                 raise
             raise TimeoutError(f"waited {timeout_s:g} s for {what} (store key {key!r})") from None
         while True:
-            value = self._text(key)
+            value = self.text(key)
             if value is not None:
                 return value
             if time.monotonic() > deadline:
@@ -110,9 +112,10 @@ class ControlStore:
             time.sleep(FORGED_POLL_S)
 
     # ---- lists ------------------------------------------------------------------------------
-    def _append(self, counter: str, prefix: str, value: str) -> int:
+    def append(self, counter: str, prefix: str, value: str) -> int:
+        """Add ``value`` (signed) as the next entry of the list ``prefix<i>`` counted by ``counter``."""
         index = self.raw.add(counter, 1) - 1
-        self._set(f"{prefix}{index}", value)
+        self.put(f"{prefix}{index}", value)
         return index
 
     def _entries(self, counter: str, prefix: str, start: int, cls) -> tuple[list, int]:
@@ -143,7 +146,7 @@ class ControlStore:
         return out, i
 
     def report_failure(self, failure: Failure) -> int:
-        return self._append(keys.FAIL_COUNT, keys.FAIL, to_json(failure))
+        return self.append(keys.FAIL_COUNT, keys.FAIL, to_json(failure))
 
     def failures(self, start: int) -> tuple[list[Failure], int]:
         return self._entries(keys.FAIL_COUNT, keys.FAIL, start, Failure)
@@ -152,19 +155,19 @@ class ControlStore:
         return int(self.raw.add(keys.FAIL_COUNT, 0))
 
     def register_spare(self, wid: str, node: int) -> int:
-        return self._append(keys.SPARE_COUNT, keys.SPARE, to_json(Spare(wid, node)))
+        return self.append(keys.SPARE_COUNT, keys.SPARE, to_json(Spare(wid, node)))
 
     def spares(self, start: int) -> tuple[list[Spare], int]:
         return self._entries(keys.SPARE_COUNT, keys.SPARE, start, Spare)
 
     def report_waiting(self, report: Waiting) -> int:
-        return self._append(keys.WAIT_COUNT, keys.WAIT, to_json(report))
+        return self.append(keys.WAIT_COUNT, keys.WAIT, to_json(report))
 
     def waiting(self, start: int) -> tuple[list[Waiting], int]:
         return self._entries(keys.WAIT_COUNT, keys.WAIT, start, Waiting)
 
     def ask_kill(self, wid: str, detect_s: float) -> int:
-        return self._append(keys.KILL_COUNT, keys.KILL, to_json(Kill(wid, detect_s)))
+        return self.append(keys.KILL_COUNT, keys.KILL, to_json(Kill(wid, detect_s)))
 
     def kills(self, start: int) -> tuple[list[Kill], int]:
         return self._entries(keys.KILL_COUNT, keys.KILL, start, Kill)
@@ -175,7 +178,7 @@ class ControlStore:
 
     def plan(self, generation: int) -> Plan:
         key = keys.plan(generation)
-        text = self._text(key)
+        text = self.text(key)
         if text is None:
             raise BadMessage(key, "no plan signed by this job")
         plan = Plan.from_json(text, key)
@@ -184,7 +187,7 @@ class ControlStore:
         return plan
 
     def write_plan(self, plan: Plan) -> None:
-        self._set(keys.plan(plan.generation), plan.to_json())
+        self.put(keys.plan(plan.generation), plan.to_json())
 
     def superseded(self, generation: int) -> bool:
         """Whether generation ``generation`` has a successor (a plan for the next one)."""
@@ -205,11 +208,11 @@ class ControlStore:
 
     # ---- spares -----------------------------------------------------------------------------
     def set_ready(self, wid: str, scope: str) -> None:
-        self._set(keys.ready(wid), scope)
+        self.put(keys.ready(wid), scope)
 
     def ready_scope(self, wid: str) -> str | None:
         """What spare ``wid`` said it can take (SPARE_ANY, SPARE_LOCAL), or None if not ready."""
-        text = self._text(keys.ready(wid))
+        text = self.text(keys.ready(wid))
         if text is not None and text not in (keys.SPARE_ANY, keys.SPARE_LOCAL):
             raise BadMessage(keys.ready(wid), f"{text[:80]!r} is neither {keys.SPARE_ANY!r} nor {keys.SPARE_LOCAL!r}")
         return text
@@ -218,17 +221,17 @@ class ControlStore:
         return self._has(keys.ready(wid))
 
     def send_prepare(self, wid: str, prepare: Prepare) -> None:
-        self._set(keys.prepare(wid), to_json(prepare))
+        self.put(keys.prepare(wid), to_json(prepare))
 
     def prepare_for(self, wid: str) -> Prepare | None:
-        text = self._text(keys.prepare(wid))
+        text = self.text(keys.prepare(wid))
         return None if text is None else parse(Prepare, text, keys.prepare(wid))
 
     def send_orders(self, plan: Plan) -> None:
         """Write ``plan`` and each of its promoted spares' order, then wake them."""
         self.write_plan(plan)
         for wid in plan.replaced.values():
-            self._set(keys.order(wid), str(plan.generation))
+            self.put(keys.order(wid), str(plan.generation))
             self.wake(wid)
 
     def order_for(self, wid: str) -> int | None:
@@ -247,18 +250,18 @@ class ControlStore:
         self.raw.delete_key(keys.wake(wid))
 
     def set_unfit(self, wid: str, message: str) -> None:
-        self._set(keys.unfit(wid), message)
+        self.put(keys.unfit(wid), message)
 
     def unfit(self, wid: str) -> str | None:
-        text = self._text(keys.unfit(wid))
+        text = self.text(keys.unfit(wid))
         return None if text is None else text[:2000]
 
     # ---- heartbeats -------------------------------------------------------------------------
     def beat(self, wid: str, count: int) -> None:
-        self._set(keys.heartbeat(wid), str(count))
+        self.put(keys.heartbeat(wid), str(count))
 
     def start_beating(self, wid: str, timeout_s: float) -> None:
-        self._set(keys.heartbeat_timeout(wid), str(timeout_s))
+        self.put(keys.heartbeat_timeout(wid), str(timeout_s))
         self.beat(wid, 0)
 
     def say_goodbye(self, wid: str) -> None:
@@ -273,7 +276,7 @@ class ControlStore:
 
     def beat_node(self, node: int, count: int) -> None:
         """Node ``node``'s launcher beats (a set: the store's reply proves it arrived)."""
-        self._set(keys.node_heartbeat(node), str(count))
+        self.put(keys.node_heartbeat(node), str(count))
 
     def node_beats(self, node: int) -> int:
         """Node ``node``'s launcher's last signed beat (0: none yet)."""
@@ -293,44 +296,44 @@ class ControlStore:
         key = keys.alarm(generation, wid)
         self.raw.wait([key], WAKE_WAIT)
         while True:
-            value = self._text(key)
+            value = self.text(key)
             if value is not None:
                 return value
             time.sleep(FORGED_POLL_S)  # a forgery sits on the key: look until the real one replaces it
 
     def end_alarm_wait(self, generation: int, wid: str) -> None:
         """A closing worker ends its own alarm thread's wait."""
-        self._set(keys.alarm(generation, wid), "closed")
+        self.put(keys.alarm(generation, wid), "closed")
 
     def set_exited(self, wid: str, code: int) -> None:
-        self._set(keys.exited(wid), str(code))
+        self.put(keys.exited(wid), str(code))
 
     def abort(self, message: str) -> None:
-        self._set(keys.ABORT, message)
+        self.put(keys.ABORT, message)
 
     def abort_message(self) -> str | None:
-        return self._text(keys.ABORT)
+        return self.text(keys.ABORT)
 
     def shut_down(self) -> None:
-        self._set(keys.SHUTDOWN, "1")
+        self.put(keys.SHUTDOWN, "1")
 
     def is_shut_down(self) -> bool:
         return self._has(keys.SHUTDOWN)
 
     def set_finished(self, rank: int, wid: str) -> None:
-        self._set(keys.finished(rank), wid)
+        self.put(keys.finished(rank), wid)
 
     def finished(self, rank: int) -> bool:
         return self._has(keys.finished(rank))
 
     def mark_trained(self) -> None:
-        self._set(keys.TRAINED, "1")
+        self.put(keys.TRAINED, "1")
 
     def trained(self) -> bool:
         return self._has(keys.TRAINED)
 
     def set_caught_up(self, generation: int, step: int) -> None:
-        self._set(keys.caught_up(generation), str(step))
+        self.put(keys.caught_up(generation), str(step))
 
     def caught_up(self, generation: int) -> bool:
         return self._has(keys.caught_up(generation))
