@@ -29,9 +29,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpt_job  # noqa: E402
-from hotspare.config import from_mapping  # noqa: E402
+from hotspare.testing import job as gpt_job
+from hotspare.config import from_mapping
 
 
 @dataclass

@@ -56,14 +56,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpt_job  # noqa: E402
-from hotspare.config import ConfigError, from_mapping  # noqa: E402
+from hotspare.testing import job as gpt_job
+from hotspare.config import ConfigError, from_mapping
 
 WAYS = ("hotspare", "keeper", "stripe", "deepspeed_restart", "megatron_restart", "memory_restart")
 WAYS_OF = {"deepspeed": ("hotspare", "keeper", "stripe", "deepspeed_restart", "memory_restart"),
            "megatron": ("hotspare", "keeper", "megatron_restart", "memory_restart")}
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recovery_worker.py")
+WORKER = gpt_job.RECOVERY_WORKER
 
 
 def worker_of(job) -> str:

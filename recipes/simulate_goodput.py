@@ -22,28 +22,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from hotspare.config import ConfigError, from_mapping
-from hotspare.goodput import GoodputConfig, plot, report
-from hotspare.goodput_model import measured_from_bench
-
-
-@dataclass
-class SimulateGoodputConfig(GoodputConfig):
-    """The simulator's model and experiment, plus where the results go."""
-
-    out: str = "goodput.json"
-    """Where the JSON result goes."""
-    plot: str = ""
-    """Where the PNG goes; empty: ``out`` with the extension .png."""
-    calibration: str = ""
-    """A recipes/bench_recovery.py JSON whose measured detect/rebuild/restore terms replace ``measured``
-    (the keeper, hotspare and stripe ways); empty: the values under ``measured``."""
+from hotspare.goodput import SimulateGoodputConfig, plot, report
+from hotspare.goodput_costs import measured_from_bench
 
 
 ConfigStore.instance().store(name="simulate_goodput_schema", node=SimulateGoodputConfig)

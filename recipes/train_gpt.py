@@ -18,9 +18,8 @@ import time
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpt_job  # noqa: E402
-from hotspare import report  # noqa: E402
+from hotspare.testing import job as gpt_job
+from hotspare import report
 
 gpt_job.register()
 

@@ -1,10 +1,9 @@
-"""Shared fixtures: importable recipes, and a leak check for tests that start processes."""
+"""Shared fixtures: the recipes' folder, a launch-and-collect helper, and a leak check for tests that start processes."""
 from __future__ import annotations
 
 import glob
 import os
 import socket
-import sys
 import tempfile
 import time
 
@@ -13,7 +12,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "recipes")
-sys.path.insert(0, RECIPES)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

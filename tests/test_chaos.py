@@ -13,7 +13,7 @@ from conftest import RECIPES
 
 
 def test_the_kill_schedule_is_seeded_spaced_and_bounded():
-    import chaos
+    from hotspare.testing import matrix as chaos
 
     cfg = chaos.ChaosConfig(kills=4, first_after_s=5.0, min_gap_s=10.0, window_s=40.0, seed=3)
     times = chaos.schedule(cfg)

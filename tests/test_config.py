@@ -96,7 +96,7 @@ def test_initialize_rejects_bad_section_before_anything_starts(section, message)
 
 
 def test_recipe_schema_checks(tmp_path):
-    import gpt_job
+    from hotspare.testing import job as gpt_job
 
     with pytest.raises(ConfigError, match="zero.stage: 4 is not allowed; expected one of 1, 2, 3"):
         from_mapping(gpt_job.GPTJobConfig, {"zero": {"stage": 4}}, prefix="")
@@ -136,7 +136,7 @@ def test_recipe_schema_checks(tmp_path):
     job = from_mapping(gpt_job.GPTJobConfig, {"framework": "megatron", "model": {"num_layers": 4},
                                               "train": {"grad_accum": 4}, "parallel": {
         "pipeline_stages": 2, "tensor_parallel": 2, "virtual_stages": 2}})
-    assert gpt_job._megatron_layout({"pipeline_stages": 2, "tensor_parallel": 2, "virtual_stages": 2,
+    assert gpt_job.megatron_layout({"pipeline_stages": 2, "tensor_parallel": 2, "virtual_stages": 2,
                                      "num_ranks": job.parallel.num_ranks}) == \
         "2 pipeline stages (2 virtual each, interleaved) x 2 tensor-parallel x 1 data-parallel, distributed optimizer"
     job = from_mapping(gpt_job.GPTJobConfig, {"zero": {"stage": 3, "dtype": "bf16"}})

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-import gpt_job
+from hotspare.testing import job as gpt_job
 from conftest import ROOT
 from hotspare.config import from_mapping
 from hotspare.testing import statedigest

@@ -38,7 +38,7 @@ def test_every_kind_applies_to_the_phases_the_matrix_runs():
 
 
 def test_the_matrix_product_adds_a_first_failure_where_a_case_needs_one():
-    import fault_matrix
+    from hotspare.testing import matrix as fault_matrix
 
     cfg = fault_matrix.FaultMatrixConfig(frameworks=["zero2"], kinds=["kill"], phases=["forward", "recovery"])
     cases = fault_matrix.product(cfg, world=4, per_node=2)
@@ -119,7 +119,7 @@ def test_control_plane_probes_leave_the_job_unaffected_and_nothing_outlives_a_ki
     (docs/control-plane.md): every forged, malformed or half-written control value is named and
     ignored, a launcher with another secret is refused, and the job ends bitwise as if nothing
     happened; a SIGKILLed launcher leaves no process of the job alive 15 s later."""
-    import fault_matrix
+    from hotspare.testing import matrix as fault_matrix
 
     out = tmp_path / "c.json"
     proc = subprocess.run([sys.executable, os.path.join(RECIPES, "fault_matrix.py"), f"out={out}", "control=true",

@@ -13,10 +13,10 @@ import math
 import pytest
 
 from hotspare.config import ConfigError, from_mapping, to_mapping
-from hotspare.goodput import (GoodputConfig, closed_form_checkpoint_restart, failure_trace, mean_interval, plot,
-                              report, run, simulate, t_quantile, with_overrides)
-from hotspare.goodput_model import (STRATEGIES, TERMS, Measured, checkpoint_cost_s, measured_from_bench, plan,
-                                    rebuild_s, young_interval_s)
+from hotspare.goodput import (GoodputConfig, SimulateGoodputConfig, closed_form_checkpoint_restart, failure_trace,
+                              mean_interval, plot, report, run, simulate, t_quantile, with_overrides)
+from hotspare.goodput_costs import checkpoint_cost_s, measured_from_bench, plan, rebuild_s, young_interval_s
+from hotspare.goodput_model import STRATEGIES, TERMS, Measured
 
 DEFAULTS = GoodputConfig()
 
@@ -201,14 +201,15 @@ def statistics_stdev(values):
 
 def test_the_recipes_yaml_is_the_schemas_defaults():
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    import simulate_goodput
     from conftest import ROOT
 
+    ConfigStore.instance().store(name="simulate_goodput_schema", node=SimulateGoodputConfig)  # as the recipe does
     with initialize_config_dir(config_dir=f"{ROOT}/configs", version_base=None):
         cfg = compose(config_name="simulate_goodput")
-    job = from_mapping(simulate_goodput.SimulateGoodputConfig, OmegaConf.to_container(cfg, resolve=True))
+    job = from_mapping(SimulateGoodputConfig, OmegaConf.to_container(cfg, resolve=True))
     for key in ("failures", "job", "measured", "costs", "checkpoint_restart", "gemini_like", "leto_like", "hotspare",
                 "num_gpus", "strategies", "days", "seeds", "seed", "confidence", "validation", "target"):
         assert getattr(job, key) == getattr(DEFAULTS, key), key

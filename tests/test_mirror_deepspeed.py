@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import gpt_job
+from hotspare.testing import job as gpt_job
 from hotspare.config import from_mapping
 from hotspare.testing import statedigest
 

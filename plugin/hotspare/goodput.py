@@ -3,7 +3,7 @@ strategy, productive-time fractions with confidence intervals over seeds, the te
 the loss, and checks against published points (``docs/goodput.md``).
 
 Pure and seeded: no torch, no processes. The cost of each failure comes from
-``hotspare.goodput_model.plan``; this module only draws the failures and keeps the accounts.
+``hotspare.goodput_costs.plan``; this module only draws the failures and keeps the accounts.
 Wall time is partitioned exactly into productive time and the loss terms of
 ``goodput_model.TERMS``, so the fractions of a run sum to 1.
 """
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hotspare.config import ConfigError, check_choice, from_mapping, to_mapping
-from hotspare.goodput_model import SECONDS_PER_DAY, STRATEGIES, TERMS, GoodputModel, Plan, plan
+from hotspare.goodput_costs import Plan, plan
+from hotspare.goodput_model import SECONDS_PER_DAY, STRATEGIES, TERMS, GoodputModel
 
 
 @dataclass
@@ -118,6 +119,19 @@ class GoodputConfig(GoodputModel):
                 where = key if key == "target" else f"{key}[{i}]"
                 check_choice(f"{where}.strategy", item.strategy, STRATEGIES)
                 self.job.check_gpus(item.num_gpus, f"{where}.num_gpus")
+
+
+@dataclass
+class SimulateGoodputConfig(GoodputConfig):
+    """recipes/simulate_goodput.py's config: the simulator's model and experiment, and where the results go."""
+
+    out: str = "goodput.json"
+    """Where the JSON result goes."""
+    plot: str = ""
+    """Where the PNG goes; empty: ``out`` with the extension .png."""
+    calibration: str = ""
+    """A recipes/bench_recovery.py JSON whose measured detect/rebuild/restore terms replace ``measured``
+    (the keeper, hotspare and stripe ways); empty: the values under ``measured``."""
 
 
 @dataclass(frozen=True)

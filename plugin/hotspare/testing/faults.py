@@ -32,8 +32,8 @@ the first recovery's generation: a failure during a recovery already in progress
 must fail first, which the fault matrix arranges).
 
 A worker builds an :class:`Injector` after ``initialize`` and calls it at its phase points: the
-DeepSpeed recipe worker (``recipes/recovery_worker.py``) and the megatron-core one
-(``recipes/mcore_worker.py``) do.
+DeepSpeed recipe worker (``hotspare/testing/workers/recovery_worker.py``) and the megatron-core one
+(``workers/mcore_worker.py``) do.
 """
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""The GPT smoke job shared by the recipes: its typed config schema, the DeepSpeed config it
-implies, and launching its ranks through hotspare-run.
+"""The GPT smoke job shared by the recipes and the tests: its typed config schema, the
+DeepSpeed config it implies, and launching its ranks through hotspare-run (its workers are the
+scripts in ``workers/``: ``gpt_worker.py`` trains, ``recovery_worker.py`` is the benchmarks' and
+the fault matrix's DeepSpeed rank, ``mcore_worker.py`` the megatron-core one).
 
-Recipes only combine what the ``hotspare`` package offers; this module is that combination
-for the GPT job, so train_gpt.py and the benchmarks describe one job the same way.
+The recipes are Hydra entry points over this module, so that train_gpt.py, the benchmarks and
+the tests describe one job the same way; :mod:`hotspare.testing.harness` runs a job in the
+background and exposes it (port, job id, plan, processes).
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ from hotspare.config import HotspareConfig, check_choice, from_mapping, to_mappi
 from hotspare.launch import LaunchSpec, run
 from hotspare.testing.gpt import GPTConfig
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_worker.py")
-MEGATRON_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcore_worker.py")
+WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
+WORKER = os.path.join(WORKERS, "gpt_worker.py")
+RECOVERY_WORKER = os.path.join(WORKERS, "recovery_worker.py")
+MEGATRON_WORKER = os.path.join(WORKERS, "mcore_worker.py")
 FRAMEWORKS = ("deepspeed", "megatron")
 
 
@@ -326,7 +331,7 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     }
 
 
-def _megatron_layout(s: dict) -> str:
+def megatron_layout(s: dict) -> str:
     pp, tp, vp = s["pipeline_stages"], s.get("tensor_parallel", 1), s.get("virtual_stages", 1)
     return (f"{pp} pipeline stages{f' ({vp} virtual each, interleaved)' if vp > 1 else ''} x "
             f"{f'{tp} tensor-parallel x ' if tp > 1 else ''}{s['num_ranks'] // (pp * tp)} data-parallel, "
@@ -335,7 +340,7 @@ def _megatron_layout(s: dict) -> str:
 
 def print_summary(s: dict, file=sys.stdout) -> None:
     layout = (("ZeRO stage", s["zero_stage"]) if s.get("framework", "deepspeed") == "deepspeed" else
-              ("megatron-core", _megatron_layout(s)))
+              ("megatron-core", megatron_layout(s)))
     rows = [("steps", s["steps"]), ("ranks", s["num_ranks"]), layout,
             ("parameters", f"{s['num_params']:,}"),
             ("loss (first/last 10%)", f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}"),
