@@ -1,6 +1,6 @@
 """The keeper's GPU tier where no GPU is needed to check it: the torch internals it stands on,
 the device sum, the device record in a retained segment, and which version a dead rank's
-device copy may be restored from (hotspare.keeper.check_device). The copy itself is exercised
+device copy may be restored from (hotspare.keeper_client.check_device). The copy itself is exercised
 on a GPU by recipes/gpu_check.py (section keeper_device)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from hotspare import devicemem
 from hotspare.config import ConfigError, HotspareConfig, from_mapping
-from hotspare.keeper import check_device
+from hotspare.keeper_client import check_device
 from hotspare.retain import EMPTY, RetainedSegment, RetainedSnapshots
 from hotspare.startup import keeper_for
 from hotspare.snapshot import Layout

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hotspare import keeper
-from hotspare.keeper import KeeperClient, KeeperError
+from hotspare.keeper import KeeperError
+from hotspare.keeper_client import KeeperClient
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(keeper.SHM_DIR), reason="needs /dev/shm")
 
@@ -95,9 +96,9 @@ def test_a_keeper_whose_launcher_is_killed_cleans_up_by_itself(tmp_path, no_leak
     sock = str(tmp_path / "k.sock")
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from hotspare import keeper
+        from hotspare import keeper, keeper_client
         keeper.start({job!r}, 0, {sock!r})
-        keeper.KeeperClient({sock!r}).open(0, 1, 5000, 4096)
+        keeper_client.KeeperClient({sock!r}).open(0, 1, 5000, 4096)
         print("up", flush=True)
         time.sleep(60)
     """)], stdout=subprocess.PIPE, text=True)

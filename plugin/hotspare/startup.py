@@ -22,7 +22,7 @@ from . import control, env, identity
 from .config import ConfigError, HotspareConfig
 from .events import log
 from .generation import Generation, join, store_from_env
-from .keeper import KeeperClient
+from .keeper_client import KeeperClient
 from .worker import Heartbeat, Shutdown, wait_for_order, worker_id
 
 

@@ -2,15 +2,11 @@
 coordinator on node 0, the spares' successors, the job's end."""
 from __future__ import annotations
 
-import datetime
 import os
-import select
 import signal
 import subprocess
-import sys
 import time
 import uuid
-from dataclasses import dataclass
 
 from .. import control, env
 from ..control import auth
@@ -18,9 +14,11 @@ from ..coordinator import Coordinator, describe_exit
 from .buildlocks import extensions_root, warn_stale_build_locks
 from .fencing import NodeBeat
 from .keepers import Keepers
-from .network import interface_of, listen_socket, route_to
-from .processes import EXIT_POLL_S, Worker, die_with_parent, dump_stacks, log, signal_group
+from .network import interface_of, route_to
+from .processes import Worker, dump_stacks, log, pause, signal_group, spawn, worker_env
 from .spec import LaunchSpec
+from .store import open_store
+from .successors import Successors
 
 POLL_INTERVAL_S = 0.02
 ABORT_EXIT_CODE = 3
@@ -64,49 +62,18 @@ class Launcher:
         self.keepers = Keepers(self.job_id)
         self.coordinator: Coordinator | None = None  # node 0 only
         self._node_beat: NodeBeat | None = None  # nodes other than 0
-        self._successors: list[_Successor] = []  # registered, not started yet
+        self.successors = Successors(self.spec.successor_wait_s, lambda: self.control, self._spawn_spare)
 
     @property
     def world_size(self) -> int:
         return self.spec.nnodes * self.spec.nproc_per_node
 
     def open_store(self) -> int:
-        """Node 0: start the control store (on ``--master-addr`` only) and publish the job's id,
-        signed; another node: connect to it and take the job's id, refused without the job's
-        secret. Returns the store's port; ``control`` is the signed view of it from then on."""
-        import torch.distributed as dist
-
-        from ..generation import connect_store
-
-        s = self.spec
-        if s.node_rank != 0:
-            self.store = connect_store(s.master_addr, s.master_port, s.store_timeout_s)
-            try:
-                theirs = control.ControlStore(self.store, self.signer).job_id()
-            except control.BadMessage as exc:
-                raise ValueError(f"the control store at {s.master_addr}:{s.master_port}: {exc}; give every "
-                                 f"node's hotspare-run the same --job-secret-file") from None
-            if theirs is None:
-                raise ValueError(f"the control store at {s.master_addr}:{s.master_port} serves no job yet (node 0's "
-                                 f"hotspare-run writes its id first)")
-            if s.job_id and s.job_id != theirs:
-                raise ValueError(f"--job-id={s.job_id}, but the control store at {s.master_addr}:{s.master_port} "
-                                 f"serves job {theirs}: start every node's hotspare-run with the same --job-id (or "
-                                 f"none: the others take node 0's)")
-            self.job_id = self.keepers.job_id = theirs
-            self.signer = self.signer.for_job(theirs)
-            self.control = control.ControlStore(self.store, self.signer)
-            return s.master_port
-        # The store listens on the address the launcher was given only (127.0.0.1 on one
-        # machine), not on every interface as TCPStore's own socket would.
-        listener = listen_socket(s.master_addr, s.master_port)
-        self.store = dist.TCPStore(s.master_addr, listener.getsockname()[1], is_master=True,
-                                   timeout=datetime.timedelta(seconds=s.store_timeout_s), wait_for_workers=False,
-                                   master_listen_fd=listener.fileno())
-        listener.detach()  # the store owns the descriptor now and closes it when it goes
-        self.control = control.ControlStore(self.store, self.signer)
-        self.control.publish_job(self.job_id)
-        return self.store.port
+        """Node 0: start the control store and publish the job's id; another node: join it and take
+        the job's id (:func:`store.open_store`). Returns the store's port."""
+        self.store, self.control, self.signer, port = open_store(self.spec, self.signer)
+        self.job_id = self.keepers.job_id = self.signer.job_id
+        return port
 
     def _fence(self, silent_s: float, why: str = "") -> None:
         """This node lost the control store: stop every worker and keeper of this node, so that
@@ -135,50 +102,26 @@ class Launcher:
         """(Logical) nodes of the job."""
         return self.spec.logical_nodes if self.spec.logical_nodes > 1 else self.spec.nnodes
 
-
     def _local_nodes(self) -> list[int]:
         s = self.spec
         return list(range(s.logical_nodes)) if s.logical_nodes > 1 else [s.node_rank]
 
     def _base_env(self, node: int) -> dict[str, str]:
-        s = self.spec
-        worker_env = dict(os.environ)
-        worker_env.update(s.extra_env)
-        worker_env.update({
-            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(s.nproc_per_node),
-            "MASTER_ADDR": s.master_addr, "MASTER_PORT": str(self.port),
-            env.HOTSPARE_STORE_HOST: s.master_addr, env.HOTSPARE_STORE_PORT: str(self.port),
-            env.HOTSPARE_NODE_RANK: str(node), env.HOTSPARE_NUM_NODES: str(self.num_nodes),
-            env.HOTSPARE_JOB_ID: self.job_id, env.HOTSPARE_GENERATION: "0",
-            env.HOTSPARE_STORE_TIMEOUT_S: str(s.store_timeout_s), env.HOTSPARE_JOB_SECRET: self.signer.secret_hex(),
-        })
-        # NCCL: on a collective timeout abort the communicators and raise in the worker (2,
-        # CleanUpOnly) instead of tearing the process down, so a survivor can recover in place.
-        worker_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        # A worker killed by a fatal signal (SIGSEGV, SIGABRT from a C++ terminate, ...) prints
-        # every thread's Python stack: what the failure report needs to say where it died.
-        worker_env.setdefault("PYTHONFAULTHANDLER", "1")
-        if self.advertise_ifname:
-            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                worker_env.setdefault(var, self.advertise_ifname)
-        if node in self.keepers:
-            worker_env[env.HOTSPARE_KEEPER_SOCKET] = self.keepers.socket_path(node)
-        return worker_env
+        return worker_env(self.spec, self.world_size, self.num_nodes, self.port, self.job_id, self.signer,
+                          self.advertise_ifname, self.keepers.socket_path(node) if node in self.keepers else "",
+                          node)
 
-    def _spawn(self, worker_env: dict[str, str]) -> subprocess.Popen:
-        # Own session per worker, so stopping one also stops whatever it spawned; and killed
-        # by the kernel if this launcher dies (nothing trains on without its launcher).
-        return subprocess.Popen([sys.executable, *self.spec.script], env=worker_env, start_new_session=True,
-                                preexec_fn=die_with_parent(os.getpid()))
+    def _spawn(self, wenv: dict[str, str]) -> subprocess.Popen:
+        return spawn(self.spec.script, wenv)
 
     def _start_active(self, local_rank: int) -> None:
         rank = self.spec.node_rank * self.spec.nproc_per_node + local_rank
         wid = control.active_id(rank)
         node = self.spec.node_of_rank(rank)
-        worker_env = self._base_env(node)
-        worker_env.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), env.HOTSPARE_ROLE: "active",
+        wenv = self._base_env(node)
+        wenv.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), env.HOTSPARE_ROLE: "active",
                            env.HOTSPARE_WORKER_ID: wid})
-        self.workers[wid] = Worker(wid, node, self._spawn(worker_env), rank=rank)
+        self.workers[wid] = Worker(wid, node, self._spawn(wenv), rank=rank)
 
     def _start_spare(self, node: int) -> Worker:
         return self._spawn_spare(self._register_spare(node), node)
@@ -193,11 +136,11 @@ class Launcher:
         return wid
 
     def _spawn_spare(self, wid: str, node: int) -> Worker:
-        worker_env = self._base_env(node)
-        worker_env.update({env.HOTSPARE_ROLE: "spare", env.HOTSPARE_WORKER_ID: wid})
+        wenv = self._base_env(node)
+        wenv.update({env.HOTSPARE_ROLE: "spare", env.HOTSPARE_WORKER_ID: wid})
         for key in ("RANK", "LOCAL_RANK"):
-            worker_env.pop(key, None)  # a spare learns its rank from its takeover order
-        worker = Worker(wid, node, self._spawn(worker_env))
+            wenv.pop(key, None)  # a spare learns its rank from its takeover order
+        worker = Worker(wid, node, self._spawn(wenv))
         self.workers[wid] = worker
         return worker
 
@@ -278,19 +221,11 @@ class Launcher:
                 self._bad_beats.add(w.wid)
                 log(f"{exc}; not counted as a heartbeat")
             return
-        if beat is None:
-            return
-        if beat < 0:  # the worker said goodbye
-            w.beat_timeout = 0.0
-            return
-        if beat != w.beat:
-            if w.beat < 0:
-                w.beat_timeout = timeout_s or 0.0
-            w.beat, w.beat_seen = beat, now
-        elif w.beat_timeout and now - w.beat_seen > w.beat_timeout:
+        silent = w.heard(beat, timeout_s, now)
+        if silent is not None:
             signal_group(w.proc, signal.SIGKILL)
             w.proc.wait()
-            self._report(w, w.proc.returncode, "heartbeat", detect_s=now - w.beat_seen)
+            self._report(w, w.proc.returncode, "heartbeat", detect_s=silent)
 
     def _watch(self) -> None:
         if not self._stopping:
@@ -337,27 +272,9 @@ class Launcher:
                 w = self.workers.get(wid)
                 if w is not None:
                     w.rank = int(rank)
-                    successor = _Successor(self._register_spare(w.node), w.node, plan.generation,
-                                           plan.failures_read, time.monotonic() + self.spec.successor_wait_s)
-                    self._successors.append(successor)
+                    successor = self.successors.register(self._register_spare(w.node), w.node, plan)
                     log(f"generation {plan.generation}: spare {wid} takes rank {rank}; its successor "
-                         f"{successor.wid} on node {w.node} starts once the generation has caught up")
-
-    def _start_successors(self) -> None:
-        """Start the successors whose time has come: their generation (or a later one) is back at
-        the step the failure interrupted, another failure was reported, or their wait ran out."""
-        if not self._successors:
-            return
-        now = time.monotonic()
-        failures = self.control.failure_count()
-        for s in list(self._successors):
-            caught_up = any(self.control.caught_up(g) for g in range(s.generation, self.generation + 1))
-            why = ("the generation caught up" if caught_up else "another failure came" if failures > s.failures_read
-                   else f"--successor-wait-s={self.spec.successor_wait_s} ran out" if now >= s.deadline else "")
-            if why:
-                self._successors.remove(s)
-                self._spawn_spare(s.wid, s.node)
-                log(f"starting spare {s.wid} on node {s.node} ({why})")
+                         f"{successor} on node {w.node} starts once the generation has caught up")
 
     def wait(self) -> int:
         """Block until the job ends; return its exit code."""
@@ -367,7 +284,7 @@ class Launcher:
                 if self.coordinator is not None:
                     self.coordinator.step()
                 self._follow_plans()
-                self._start_successors()
+                self.successors.start_due(self.generation)
             except control.BadMessage as exc:  # signed by the job, but not what the key holds: a bug
                 log(f"error: {exc}; this launcher cannot follow the job's plans with it: stopping its workers "
                     f"(exit {BAD_CONTROL_EXIT_CODE})")
@@ -425,22 +342,10 @@ class Launcher:
                 self.control.wake(w.wid)
 
     def _pause(self) -> None:
-        """Until the next look: ``POLL_INTERVAL_S``, cut short the moment a worker exits (its
-        pidfd turns readable); while a failure waits for its plan, ``control.RECOVERY_POLL_S``."""
+        """Until the next look: ``POLL_INTERVAL_S``; while a failure waits for its plan,
+        ``control.RECOVERY_POLL_S``; cut short by a worker's exit."""
         busy = self.coordinator is not None and self.coordinator.busy
-        deadline = time.monotonic() + (control.RECOVERY_POLL_S if busy else POLL_INTERVAL_S)
-        live = [w for w in self.workers.values() if not w.done]
-        fds = [w.pidfd for w in live if w.pidfd >= 0]
-        watched = [w for w in live if w.stat_fd >= 0 and not w.dying and not self._stopping]
-        while (left := deadline - time.monotonic()) > 0:
-            step = min(left, EXIT_POLL_S) if watched else left
-            if fds:
-                if select.select(fds, [], [], step)[0]:
-                    return
-            else:
-                time.sleep(step)
-            if any(w.exiting() is not None for w in watched):
-                return
+        pause(self.workers.values(), control.RECOVERY_POLL_S if busy else POLL_INTERVAL_S, self._stopping)
 
     def close(self) -> None:
         if self._node_beat is not None:
@@ -449,18 +354,6 @@ class Launcher:
         for w in self.workers.values():
             w.finish()
         self.store = self.control = None
-
-
-@dataclass
-class _Successor:
-    """A spare registered to follow one promoted in ``generation``, not started yet."""
-
-    wid: str
-    node: int
-    generation: int
-    failures_read: int
-    """The plan's ``failures_read``: a failure beyond it needs this spare now."""
-    deadline: float
 
 
 def _store_lost(exc: BaseException) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -54,6 +55,23 @@ class Worker:
         """The status of a failing exit under way (see :func:`exiting_status`), None otherwise."""
         return exiting_status(self.stat_fd) if self.stat_fd >= 0 and not self.dying else None
 
+    def heard(self, beat: int | None, timeout_s: float | None, now: float) -> float | None:
+        """Take the heartbeat count the worker wrote last (None: none yet; negative: it said
+        goodbye) and the timeout it asked for at its first beat; the seconds it has been silent
+        when that is past its timeout, else None."""
+        if beat is None:
+            return None
+        if beat < 0:
+            self.beat_timeout = 0.0
+            return None
+        if beat != self.beat:
+            if self.beat < 0:
+                self.beat_timeout = timeout_s or 0.0
+            self.beat, self.beat_seen = beat, now
+        elif self.beat_timeout and now - self.beat_seen > self.beat_timeout:
+            return now - self.beat_seen
+        return None
+
     def finish(self) -> None:
         """Its exit is handled."""
         self.done = True
@@ -67,6 +85,24 @@ PF_EXITING = 0x4
 EXIT_POLL_S = 0.005
 """How often the launcher reads its workers' /proc/<pid>/stat for a failing exit under way
 (~5 us a worker; the pidfd wakes it only once the process is gone)."""
+
+
+def pause(workers, seconds: float, stopping: bool) -> None:
+    """Wait ``seconds``, cut short the moment one of ``workers`` exits (its pidfd turns readable)
+    or begins a failing exit (its /proc stat, read every ``EXIT_POLL_S``)."""
+    live = [w for w in workers if not w.done]
+    fds = [w.pidfd for w in live if w.pidfd >= 0]
+    watched = [w for w in live if w.stat_fd >= 0 and not w.dying and not stopping]
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        step = min(left, EXIT_POLL_S) if watched else left
+        if fds:
+            if select.select(fds, [], [], step)[0]:
+                return
+        else:
+            time.sleep(step)
+        if any(w.exiting() is not None for w in watched):
+            return
 
 
 def exiting_status(stat_fd: int) -> int | None:
@@ -145,3 +181,41 @@ def signal_group(p: subprocess.Popen, sig: int) -> None:
         os.killpg(p.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def spawn(script: list[str], worker_env: dict[str, str]) -> subprocess.Popen:
+    """A worker's process: its own session, so that stopping it also stops whatever it spawned;
+    and killed by the kernel if this launcher dies (nothing trains on without its launcher)."""
+    return subprocess.Popen([sys.executable, *script], env=worker_env, start_new_session=True,
+                            preexec_fn=die_with_parent(os.getpid()))
+
+
+def worker_env(spec, world_size: int, num_nodes: int, port: int, job_id: str, signer, ifname: str,
+               keeper_socket: str, node: int) -> dict[str, str]:
+    """The environment every worker of logical node ``node`` starts with (its role, rank and id
+    are added by the launcher)."""
+    from .. import env
+
+    s = spec
+    out = dict(os.environ)
+    out.update(s.extra_env)
+    out.update({
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(s.nproc_per_node),
+        "MASTER_ADDR": s.master_addr, "MASTER_PORT": str(port),
+        env.HOTSPARE_STORE_HOST: s.master_addr, env.HOTSPARE_STORE_PORT: str(port),
+        env.HOTSPARE_NODE_RANK: str(node), env.HOTSPARE_NUM_NODES: str(num_nodes),
+        env.HOTSPARE_JOB_ID: job_id, env.HOTSPARE_GENERATION: "0",
+        env.HOTSPARE_STORE_TIMEOUT_S: str(s.store_timeout_s), env.HOTSPARE_JOB_SECRET: signer.secret_hex(),
+    })
+    # NCCL: on a collective timeout abort the communicators and raise in the worker (2,
+    # CleanUpOnly) instead of tearing the process down, so a survivor can recover in place.
+    out.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    # A worker killed by a fatal signal (SIGSEGV, SIGABRT from a C++ terminate, ...) prints
+    # every thread's Python stack: what the failure report needs to say where it died.
+    out.setdefault("PYTHONFAULTHANDLER", "1")
+    if ifname:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            out.setdefault(var, ifname)
+    if keeper_socket:
+        out[env.HOTSPARE_KEEPER_SOCKET] = keeper_socket
+    return out

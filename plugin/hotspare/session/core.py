@@ -27,7 +27,7 @@ from ..alarm import AlarmGuard
 from ..config import HotspareConfig
 from ..events import EventLog, log
 from ..generation import Generation, leave
-from ..keeper import KeeperClient
+from ..keeper_client import KeeperClient
 from ..mirror import Mirror, MirrorError
 from ..recovery import is_distributed_error
 from ..setupguard import SetupGuard
