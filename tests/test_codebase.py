@@ -16,7 +16,7 @@ WORKER_SCRIPTS = os.path.join(PACKAGE, "testing", "workers")
 MAX_LINES = 400
 # Modules still over MAX_LINES, with their size when this list was written: each may only
 # shrink (issue 27 splits them); a module not listed may not pass MAX_LINES.
-OVER = {"mirror.py": 692}
+OVER = {"mirror.py": 424}
 
 
 def modules():

@@ -10,7 +10,8 @@ import threading
 import pytest
 import torch
 
-from hotspare.mirror import HEADER_BYTES, NO_VERSION, TAG_DATA, TAG_HEADER, Mirror, MirrorError
+from hotspare.mirror import NO_VERSION, Mirror, MirrorError
+from hotspare.wire import HEADER_BYTES, TAG_DATA, TAG_HEADER
 from hotspare.placement import place
 from hotspare.snapshot import Header, Layout, read_meta
 from hotspare.transport import LocalFabric, TransferError

@@ -10,7 +10,8 @@ import torch
 
 from hotspare import faults
 from hotspare.keeper import Keeper, remove_stale
-from hotspare.mirror import Mirror, PrivateSnapshots
+from hotspare.mirror import Mirror
+from hotspare.slots import PrivateSnapshots
 from hotspare.retain import EMPTY, RetainedSegment, RetainedSnapshots, SegmentError, segment_size
 from hotspare.snapshot import Layout
 from hotspare.transport import Transport

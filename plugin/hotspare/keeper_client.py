@@ -82,7 +82,7 @@ class KeeperClient:
         (private memory when the budget leaves the rank out; ``note(text)`` hears what was given up).
         ``pin_memory``: page-lock them (an accelerator is in use); ``device``: this rank's GPU index,
         where the keeper keeps a copy too (``retain.device_tier``)."""
-        from .mirror import PrivateSnapshots
+        from .slots import PrivateSnapshots
         from .retain import RetainedSnapshots
 
         def make(layout):

@@ -13,27 +13,13 @@ two committed ones, so the globally committed version G is on hand for every ran
 several ranks die at once with their copies at different versions (G for some, G+1 for
 others): round G+2 cannot start anywhere before round G+1's agreement completed everywhere.
 
-Every transfer (a full copy or a share) starts with one message: its header followed by the
-first ``min(nbytes, chunk_bytes, FUSED_BYTES)`` bytes of the payload (copied next to the header
-on both sides); the rest follows in ``chunk_bytes`` messages. A small state is then one message
-per holder instead of two: a message costs its two processes 0.2-0.3 ms of CPU here (gloo's
-loop threads and torch's wrappers; measured with 1 KB), the copies 0.1 ms per MiB. The receiver
-posts that first receive before it knows the size (gloo lands a message shorter than the buffer
-posted for it at the buffer's start; pinned in tests/test_mirror_kill.py); the header says how
-many bytes follow.
+Every transfer (a full copy or a share) is one header-and-first-bytes message and the rest in
+chunks (:mod:`hotspare.wire`).
 
-Receivers keep the last committed copy of each source while the next arrives in a second
-buffer; a copy commits (the buffers swap) only when every byte arrived and its CRC-32 matches
-the header's. After the swap the second buffer still holds the copy committed before (the
-*previous* version) until the next round starts to write into it. A header is int64 fields at
-the start of the first message; payloads are raw bytes. Nothing is unpickled.
-
-A rank's own two snapshots live in buffers a :class:`Snapshots` provider gives: its private
-memory (:class:`PrivateSnapshots`), or its node keeper's shared memory
-(:class:`hotspare.retain.RetainedSnapshots`), where every update is a chunk-level
-transaction: ``begin`` before the capture writes a buffer, ``seal`` right after it (still on
-the training thread: a trainer killed after its step leaves that version behind), ``commit``
-(the chunks' checksums) when its round starts.
+A rank's own two snapshots live in buffers a :class:`hotspare.slots.Snapshots` provider gives
+(its private memory, or its node keeper's shared memory); :mod:`hotspare.slots` also has the
+copies it holds of its sources (:class:`~hotspare.slots.Copy`). How a snapshot crosses the
+transport is :mod:`hotspare.wire`.
 
 A round reads its snapshot once for every checksum it needs (:mod:`hotspare.checksum`): the
 whole buffer's for the header, each keeper chunk's for the commit records, each data share's
@@ -45,24 +31,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from . import accelerator, checksum, erasure, faults
-from .devicemem import device_sum
+from . import checksum
+from .capture import Capture
 from .errors import RecoverableError
-from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32, write_meta
+from .slots import NO_VERSION, Copy, Inherited, PrivateSnapshots, Snapshots, handed_over
+from .snapshot import MAGIC, Header, Layout, crc32
 from .transport import Transport
+from .wire import Wire
 
-TAG_HEADER = 71
-"""A transfer's first message: its header, then the payload's first bytes."""
-TAG_DATA = 72
-"""The rest of the payload, in ``chunk_bytes`` messages."""
-FUSED_BYTES = 1 << 20
-"""At most this many payload bytes travel behind the header in a transfer's first message."""
-HEADER_BYTES = HEADER_LEN * 8
-NO_VERSION = -1
 _INT64_MAX = 2**63 - 1
 
 
@@ -90,93 +70,6 @@ class MirrorStats:
         return self.bytes_sent / self.round_s if self.round_s > 0 else 0.0
 
 
-@dataclass
-class Copy:
-    """A source's snapshot held by this rank: a committed buffer and an incoming one."""
-
-    committed: torch.Tensor | None = None
-    incoming: torch.Tensor | None = None
-    version: int = NO_VERSION
-    first: torch.Tensor | None = None
-    """Where the incoming transfer's first message lands: its header, then the payload's first
-    bytes (overwritten by the next round)."""
-    committed_header: Header | None = None
-    """The header of the committed copy (its CRC and layout id are checked again at restore)."""
-    previous_version: int = NO_VERSION
-    """The copy committed before ``version``, still intact in ``incoming`` (NO_VERSION once a
-    round writes there)."""
-    previous_header: Header | None = None
-
-
-class Snapshots:
-    """Where a rank's own two snapshot buffers live, and how an update of one is made durable."""
-
-    retained = False
-    """Whether the buffers outlive this process (a keeper's shared memory)."""
-    chunk_bytes: int | None = None
-    """The chunk size whose checksums :meth:`commit` takes (None: it takes none)."""
-
-    def __init__(self, buffers: list[torch.Tensor]):
-        self.buffers = buffers
-
-    def versions(self) -> list[int]:
-        """The version each buffer holds already (a retained segment attached again), else NO_VERSION."""
-        return [NO_VERSION] * len(self.buffers)
-
-    def begin(self, slot: int) -> None:
-        """Buffer ``slot`` is about to be overwritten."""
-
-    def seal(self, slot: int, version: int, generation: int) -> None:
-        """Buffer ``slot`` holds all of ``version`` now (the training thread, right after the capture)."""
-
-    def commit(self, slot: int, version: int, chunk_crcs: list[int]) -> None:
-        """The CRC-32 of each ``chunk_bytes`` chunk of sealed ``version`` (the round, off the training thread)."""
-
-    device: torch.Tensor | None = None
-    """The keeper's copy on the accelerator (``retain.device_tier``): the capture writes each
-    tensor there too, device to device, on the mirror's stream."""
-
-    def device_begin(self) -> None:
-        """The device copy is about to be overwritten (the training thread, before the copy is issued)."""
-
-    def device_written(self, slot: int, total: torch.Tensor) -> None:
-        """The device copy of the capture into ``slot`` is issued; ``total`` (a 0-d device tensor,
-        ready once the copy's event fired) is its :func:`~hotspare.devicemem.device_sum`, recorded
-        by :meth:`seal`."""
-
-    def freeze(self) -> None:
-        """No commit after this (the generation failed)."""
-
-    def thaw(self) -> None:
-        """Commits again (the buffers were handed to the next generation's mirror)."""
-
-    def close(self) -> None:
-        """Let go of the buffers."""
-
-
-@dataclass
-class Inherited:
-    """A failed generation's own snapshot buffers, handed to the next generation's mirror: no
-    allocation (and, for retained ones, no request to the keeper) on the path back to training."""
-
-    layout: Layout
-    snapshots: Snapshots
-    versions: list[int]
-    """The version each buffer holds (NO_VERSION: free to overwrite)."""
-    copies: dict[int, Copy] = field(default_factory=dict)
-    """Full copies of other ranks' state at the landing version or older that this rank held:
-    the new generation's first round sends the landing version only where it is not held yet,
-    and never over the version before it, so that a failure during that round still finds every
-    rank's state on another node (see :meth:`Mirror.seed`)."""
-
-
-class PrivateSnapshots(Snapshots):
-    """Both buffers in this process's own memory (pinned on an accelerator)."""
-
-    def __init__(self, layout: Layout, pin_memory: bool = False):
-        super().__init__([layout.allocate(pin_memory) for _ in range(2)])
-
-
 class Mirror:
     """Drives the rounds of one rank. ``on_step`` from the training thread; the rest is background."""
 
@@ -197,42 +90,23 @@ class Mirror:
             self.holders = list(holders[rank][1:])
             self.sources = sorted(s for s, hs in holders.items() if s != rank and rank in hs[1:])
         self._share_of = {s: holders[s].index(rank) for s in self.sources} if stripe else {}
-        self._share_out: list[torch.Tensor] = []
-        self._striper: erasure.Striper | None = None
         self._cuts: list[int] | None = None
-        # First messages going out (header + the payload's first bytes): one per holder for a
-        # stripe (each gets its own share), one for all holders of a full copy.
-        self._firsts_out: list[torch.Tensor] = []
+        self._cuts_chunk: int | None = None
         self.transport, self.control = transport, control
         self.in_flight, self.chunk_bytes, self.timeout_s = in_flight, chunk_bytes, timeout_s
+        self.wire = Wire(transport, chunk_bytes, timeout_s)
         self.pin_memory = pin_memory
-        self._make_snapshots = snapshots or (lambda layout: PrivateSnapshots(layout, pin_memory))
-        self.snapshots: Snapshots | None = None
-        # On an accelerator the capture is asynchronous: the device-to-host copies run on a
-        # stream of their own into pinned buffers, the training thread goes on at once, the
-        # mirror thread waits for the copy's event before it seals, checksums and sends, and
-        # the next optimizer step waits for it on the device (:meth:`before_update`).
-        self._acc = self._stream = None
-        self._copied: list = [None, None]  # per slot: the event of its copy in flight
-        self._fence = None  # the newest copy's event: sources must not change before it
-        if pin_memory:
-            acc = accelerator.get()
-            if acc.Stream is not None:  # no streams (a CPU accelerator): the capture stays synchronous
-                self._acc, self._stream = acc, acc.Stream()
         self.on_event = on_event or (lambda kind, **fields: None)
+        self.own = Capture(generation, pin_memory, snapshots or (lambda layout: PrivateSnapshots(layout, pin_memory)),
+                           self.on_event)
         self.stats = MirrorStats()
         self.enabled = True
-        self.layout: Layout | None = None
-        self._own: list[torch.Tensor] = []
-        self._own_views: list[list[torch.Tensor]] = []
-        self._own_version = [NO_VERSION, NO_VERSION]
         self._ctrl = torch.zeros(2, dtype=torch.int64)  # training thread's agreement ('skip')
         self._ctrl_bg = torch.zeros(2, dtype=torch.int64)  # mirror thread's agreement ('wait')
-        self._device_views: list[torch.Tensor] | None = None  # typed views of snapshots.device
         self.copies = {s: Copy() for s in self.sources}
         if inherit is not None:
             inherit.snapshots.thaw()
-            self._adopt(inherit.layout, inherit.snapshots, inherit.versions)
+            self.own.adopt(inherit.layout, inherit.snapshots, inherit.versions)
             if self.stripe is None:
                 self.copies.update({s: c for s, c in inherit.copies.items() if s in self.copies})
         self.global_committed = NO_VERSION
@@ -270,7 +144,7 @@ class Mirror:
             self.stats.wait_s += time.perf_counter() - t0
             self.on_event("mirror_wait", version=version, wait_s=time.perf_counter() - t0)
         t0 = time.perf_counter()
-        slot = self._capture(version, tensors(), meta())
+        slot = self.own.capture(version, tensors(), meta(), keep=self.global_committed)
         self.stats.capture_s += time.perf_counter() - t0
         self._idle.clear()
         self._rounds.put((version, slot, frozenset(), frozenset()))
@@ -289,11 +163,11 @@ class Mirror:
         if not self.enabled:
             return
         named = tensors()
-        if reuse and self.layout is not None and self.layout.matches(named) and version in self._own_version:
-            slot = self._own_version.index(version)
+        if reuse and self.layout is not None and self.layout.matches(named) and version in self.own.versions:
+            slot = self.own.versions.index(version)
         else:
             t0 = time.perf_counter()
-            slot = self._capture(version, named, meta())
+            slot = self.own.capture(version, named, meta(), keep=self.global_committed)
             self.stats.capture_s += time.perf_counter() - t0
         skip_to, skip_from = frozenset(held_by), frozenset(held_from)
         if self.stripe is not None and (skip_to or skip_from):
@@ -312,74 +186,20 @@ class Mirror:
         self.global_committed = int(ctrl[1]) if int(ctrl[1]) != _INT64_MAX else NO_VERSION
         return int(ctrl[0]) < 0
 
-    def _capture(self, version: int, named: list, meta: dict) -> int:
-        if self.layout is None or not self.layout.matches(named):
-            self._allocate(named)
-        # Never overwrite the snapshot of the globally committed version: recovery may land there.
-        g, held = self.global_committed, self._own_version
-        if g != NO_VERSION and g in held:
-            slot = 1 - held.index(g)
-        else:
-            slot = 0 if held[0] <= held[1] else 1
-        self._own_version[slot] = NO_VERSION
-        self.snapshots.begin(slot)
-        if self._stream is None:
-            for i, (view, (_, src)) in enumerate(zip(self._own_views[slot], named)):
-                faults.hit("snapshot_write", i)
-                view.copy_(src.reshape(-1))
-            write_meta(self._own[slot], self.layout, meta)
-            self.snapshots.seal(slot, version, self.generation)  # see retain.py: sealed on the training thread
-        else:
-            device = self.snapshots.device
-            if device is not None:
-                self.snapshots.device_begin()
-            self._stream.wait_stream(self._acc.current_stream())  # after the step's kernels that wrote the state
-            with self._acc.stream(self._stream):
-                for i, (view, (_, src)) in enumerate(zip(self._own_views[slot], named)):
-                    faults.hit("snapshot_write", i)
-                    if src.device.type != "cpu":
-                        src.record_stream(self._stream)
-                    view.copy_(src.reshape(-1), non_blocking=True)
-                if device is not None:
-                    if self._device_views is None:
-                        self._device_views = self.layout.views(device)
-                    for view, (_, src) in zip(self._device_views, named):
-                        view.copy_(src.reshape(-1), non_blocking=True)
-                    self.snapshots.device_written(slot, device_sum(device[self.layout.tensors_offset:]))
-            event = self._acc.Event()
-            event.record(self._stream)
-            self._copied[slot] = self._fence = event
-            write_meta(self._own[slot], self.layout, meta)  # host memory: the metadata is written now
-        self._own_version[slot] = version
-        return slot
+    @property
+    def layout(self) -> Layout | None:
+        """The layout of this rank's snapshots (None before the first capture)."""
+        return self.own.layout
+
+    @property
+    def snapshots(self) -> Snapshots | None:
+        """Where this rank's own two snapshots live."""
+        return self.own.snapshots
 
     def before_update(self) -> None:
-        """Call before anything changes the captured state (the optimizer step): on an
-        accelerator, the device waits there until the last capture's copy has read it (the
-        training thread does not wait). A no-op on CPU, where the capture is synchronous."""
-        if self._fence is not None:
-            self._acc.current_stream().wait_event(self._fence)
-
-    def _copy_landed(self, slot: int) -> None:
-        """Block until slot's device-to-host copy is in host memory (accelerator only)."""
-        event = self._copied[slot]
-        if event is not None:
-            event.synchronize()
-            self._copied[slot] = None
-
-    def _allocate(self, named: list) -> None:
-        if self.layout is not None:
-            self.on_event("mirror_layout_changed", old_bytes=self.layout.nbytes)
-            self.snapshots.close()
-        layout = Layout.of(named)
-        snapshots = self._make_snapshots(layout)
-        self._adopt(layout, snapshots, snapshots.versions())
-
-    def _adopt(self, layout: Layout, snapshots: Snapshots, versions: list[int]) -> None:
-        self.layout, self.snapshots, self._cuts, self._device_views = layout, snapshots, None, None
-        self._own = snapshots.buffers
-        self._own_views = [layout.views(b) for b in self._own]
-        self._own_version = list(versions)
+        """Call before anything changes the captured state (the optimizer step): see
+        :meth:`Capture.before_update`."""
+        self.own.before_update()
 
     def hand_over(self, keep: int) -> Inherited | None:
         """After :meth:`stop` and the restore: this mirror's own buffers for the next generation's
@@ -390,40 +210,16 @@ class Mirror:
         background thread still runs (it could touch them); the buffers are then kept here."""
         if self.snapshots is None or self._thread.is_alive():
             return None
-        versions = [v if v <= keep else NO_VERSION for v in self._own_version]
-        for slot, v in enumerate(versions):
-            if v == NO_VERSION:
-                self.snapshots.begin(slot)
-        out = Inherited(self.layout, self.snapshots, versions, self._copies_of(keep))
-        self.layout, self.snapshots, self._own, self._own_views = None, None, [], []
-        self._own_version = [NO_VERSION, NO_VERSION]
-        return out
+        layout, snapshots, versions = self.own.hand_over(keep)
+        return Inherited(layout, snapshots, versions, self._copies_of(keep))
 
     def _copies_of(self, keep: int) -> dict[int, Copy]:
-        """The full copies this rank holds of version ``keep`` or older, each source's newest as
-        the committed copy and the one before it, if any, as the previous (a later version a
-        survivor had committed is of a timeline the job just rolled back from: it must never be
-        reported again, and its buffer is the one the next round writes)."""
-        if self.stripe is not None:
-            return {}
-        out = {}
-        for src, c in self.copies.items():
-            if c.committed is not None and NO_VERSION != c.version <= keep:
-                prev = c.previous_version if c.incoming is not None and c.previous_header is not None else NO_VERSION
-                out[src] = Copy(committed=c.committed, incoming=c.incoming, version=c.version,
-                                committed_header=c.committed_header, previous_version=prev,
-                                previous_header=c.previous_header if prev != NO_VERSION else None)
-            elif NO_VERSION != c.previous_version <= keep and c.incoming is not None and c.previous_header is not None:
-                out[src] = Copy(committed=c.incoming, incoming=c.committed, version=c.previous_version,
-                                committed_header=c.previous_header)
-        return out
+        """The full copies of version ``keep`` or older (:func:`hotspare.slots.handed_over`)."""
+        return {} if self.stripe is not None else handed_over(self.copies, keep)
 
     def own_snapshot(self, version: int) -> torch.Tensor | None:
         """This rank's own snapshot of ``version``, if it still has it."""
-        for slot in (0, 1):
-            if self._own_version[slot] == version:
-                return self._own[slot]
-        return None
+        return self.own.find(version)
 
     def read_committed(self, source: int) -> tuple[int, torch.Tensor | None]:
         """(version, a copy of the bytes) of ``source``'s committed snapshot; safe while rounds run."""
@@ -437,7 +233,7 @@ class Mirror:
     def own_versions(self) -> tuple[int, int]:
         """The versions this rank's two snapshot slots hold (NO_VERSION for an empty or
         overwritten one)."""
-        return tuple(self._own_version)
+        return tuple(self.own.versions)
 
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait for the round in flight, agree once more, and return the globally committed version."""
@@ -466,7 +262,7 @@ class Mirror:
 
         Call after :meth:`stop`: then nothing changes under the caller.
         """
-        own = frozenset(v for v in self._own_version if v != NO_VERSION)
+        own = frozenset(v for v in self.own.versions if v != NO_VERSION)
         if self.stripe is not None:
             return own, {}
         return own, self._held_versions()
@@ -494,19 +290,16 @@ class Mirror:
         return self._held_versions() if self.stripe is not None else {}
 
     def _held_versions(self) -> dict[int, frozenset[int]]:
-        held = {s: frozenset(v for v in (c.version, c.previous_version) if v != NO_VERSION)
-                for s, c in self.copies.items()}
+        held = {s: c.held() for s, c in self.copies.items()}
         return {s: vs for s, vs in held.items() if vs}
 
     def held_copy(self, source: int, version: int) -> tuple[Header, torch.Tensor]:
         """The copy of ``source`` at ``version`` (header, bytes), without a copy; call after :meth:`stop`."""
-        copy = self.copies[source]
-        if copy.committed is not None and copy.committed_header is not None and copy.version == version:
-            return copy.committed_header, copy.committed
-        if copy.incoming is not None and copy.previous_header is not None and copy.previous_version == version:
-            return copy.previous_header, copy.incoming
-        raise MirrorError(f"rank {self.rank} holds no copy of rank {source} at version {version} (it holds "
-                          f"{sorted(v for v in (copy.version, copy.previous_version) if v != NO_VERSION)})")
+        found = self.copies[source].find(version)
+        if found is None:
+            raise MirrorError(f"rank {self.rank} holds no copy of rank {source} at version {version} (it holds "
+                              f"{sorted(self.copies[source].held())})")
+        return found
 
     def stop(self, join_s: float = 0.2) -> bool:
         """Freeze what this rank holds (a failure happened): no copy commits after this returns.
@@ -517,8 +310,7 @@ class Mirror:
         in a transfer ends with the transfer's error or its timeout; :meth:`join` waits for that.
         Returns whether the thread ended within ``join_s``. Buffers stay, for the restore.
         """
-        for slot in (0, 1):  # the restore reads this rank's own snapshots: their copies must have landed
-            self._copy_landed(slot)
+        self.own.all_landed()  # the restore reads this rank's own snapshots: their copies must have landed
         with self._commit_lock:
             self._stop.set()
             if self.snapshots is not None:
@@ -539,8 +331,7 @@ class Mirror:
         self._rounds.put(None)
         self._thread.join(timeout=self.timeout_s + 5)
         self.transport.close()
-        for slot in (0, 1):  # no device-to-host copy may still be writing into a buffer let go of
-            self._copy_landed(slot)
+        self.own.all_landed()  # no device-to-host copy may still be writing into a buffer let go of
         if self.snapshots is not None:
             self.snapshots.close()
 
@@ -566,10 +357,8 @@ class Mirror:
         """One round of ``version`` from ``slot``; ``skip_to``/``skip_from``: holders and sources
         that hold it already (a generation's first round, see :meth:`seed`)."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        buf = self._own[slot]
-        if self._stream is not None:
-            self._copy_landed(slot)
-            self.snapshots.seal(slot, version, self.generation)  # only once its bytes are all there
+        buf = self.own.buffers[slot]
+        self.own.seal_landed(slot, version)
         holders = [h for h in self.holders if h not in skip_to]
         pieces = self._checksums(buf) if holders or self.snapshots.chunk_bytes is not None else None
         if self.snapshots.chunk_bytes is not None:
@@ -578,14 +367,14 @@ class Mirror:
         if self.stripe is None:
             if holders:
                 header = Header(self.generation, version, self.rank, buf.numel(), pieces.whole(), self.layout.id)
-                first = self._first_out(0, header, buf)
-                rest = self._rest(buf)
+                first, rest = self.wire.frame(0, header, buf)  # one frame, sent to every holder
             for dst in holders:
-                sends.append(self.transport.send(first, dst, TAG_HEADER))
-                sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in rest)
+                sends += self.wire.post(first, rest, dst)
             sent = buf.numel() * len(holders)
         else:
-            sends, sent = self._send_shares(version, buf, pieces) if self.holders else ([], 0)
+            header = Header(self.generation, version, self.rank, 0, 0, self.layout.id)
+            sends, sent = self.wire.send_shares(header, buf, pieces, self.holders, *self.stripe) if self.holders \
+                else ([], 0)
         for src in self.sources:
             if src not in skip_from:
                 self._receive(src, version)
@@ -601,63 +390,18 @@ class Mirror:
     def _checksums(self, buf: torch.Tensor) -> checksum.Pieces:
         """One pass over ``buf``, cut wherever a checksum this round needs starts or ends."""
         n = buf.numel()
-        if self._cuts is None or self._cuts[-1] != n:
+        if self._cuts is None or self._cuts[-1] != n or self._cuts_chunk != self.snapshots.chunk_bytes:
+            self._cuts_chunk = self.snapshots.chunk_bytes
             grids = [g for g in (self.snapshots.chunk_bytes,
                                  -(-n // self.stripe[0]) if self.stripe is not None else None) if g]
             self._cuts = checksum.cuts(n, *grids)
         return checksum.Pieces(buf.numpy(), self._cuts)
 
-    def _send_shares(self, version: int, buf: torch.Tensor, pieces: checksum.Pieces) -> tuple[list, int]:
-        """Encode ``buf`` into k+m zfec shares and send share j to the holder of share j (j >= 1);
-        returns the send handles and the bytes sent.
-        Data shares go out as views of ``buf`` (unchanged until the round ends); parity shares
-        through buffers allocated once."""
-        k, m = self.stripe
-        if self._striper is None or self._striper.nbytes != buf.numel():
-            self._striper = erasure.Striper(buf.numel(), k, m)
-            self._share_out = [torch.zeros(self._striper.block, dtype=torch.uint8) for _ in range(m)]
-        info, shares = self._striper.encode(buf.numpy(), pieces)
-        sends, sent = [], 0
-        for j, dst in enumerate(self.holders, start=1):
-            if j < k:
-                out = torch.from_numpy(shares[j])
-            else:
-                out = self._share_out[j - k]
-                out.numpy()[:] = shares[j]
-            header = Header(self.generation, version, self.rank, info.block, info.share_crcs[j], self.layout.id,
-                            share=j, total_nbytes=info.nbytes, total_crc32=info.crc, k=k, m=m)
-            sends.append(self.transport.send(self._first_out(j - 1, header, out), dst, TAG_HEADER))
-            sends.extend(self.transport.send(chunk, dst, TAG_DATA) for chunk in self._rest(out))
-            sent += out.numel()
-        return sends, sent
-
-    def _fused(self, nbytes: int) -> int:
-        """Payload bytes that go in a transfer's first message, behind the header."""
-        return min(nbytes, self.chunk_bytes, FUSED_BYTES)
-
-    def _first_out(self, i: int, header: Header, payload: torch.Tensor) -> torch.Tensor:
-        """First message ``i`` of this round (the header, then ``payload``'s first bytes)."""
-        f = self._fused(payload.numel())
-        while len(self._firsts_out) <= i:
-            self._firsts_out.append(torch.zeros(0, dtype=torch.uint8))
-        if self._firsts_out[i].numel() != HEADER_BYTES + f:
-            self._firsts_out[i] = torch.zeros(HEADER_BYTES + f, dtype=torch.uint8)
-        out = self._firsts_out[i]
-        header.to_tensor(out[:HEADER_BYTES].view(torch.int64))
-        out[HEADER_BYTES:].copy_(payload[:f])
-        return out
-
-    def _rest(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """The payload after what the first message carries, in ``chunk_bytes`` pieces."""
-        n = buf.numel()
-        return [buf[i:i + self.chunk_bytes] for i in range(self._fused(n), n, self.chunk_bytes)]
-
     def _receive(self, src: int, version: int) -> None:
         copy = self.copies[src]
-        if copy.first is None:  # big enough for any first message (a shorter one lands at its start)
-            copy.first = torch.zeros(HEADER_BYTES + min(self.chunk_bytes, FUSED_BYTES), dtype=torch.uint8)
-        self.transport.recv(copy.first, src, TAG_HEADER).wait(self.timeout_s)
-        h = Header.from_tensor(copy.first[:HEADER_BYTES].view(torch.int64))
+        if copy.first is None:
+            copy.first = self.wire.first_buffer()
+        h = self.wire.receive_first(copy.first, src)
         if h.magic != MAGIC or h.source != src or h.generation != self.generation or h.version != version \
                 or h.share != self._share_of.get(src, -1):
             raise MirrorError(f"rank {self.rank}: bad header from rank {src} (expected generation "
@@ -665,17 +409,8 @@ class Mirror:
         with self._commit_lock:
             if self._stop.is_set():
                 return  # frozen for a restore: what is held must stay as reported
-            if copy.incoming is None or copy.incoming.numel() != h.nbytes:
-                # Warm-up (or a layout change): the only allocation on this path.
-                copy.incoming = torch.zeros(h.nbytes, dtype=torch.uint8)
-                if copy.committed is not None and copy.committed.numel() != h.nbytes:
-                    copy.committed, copy.version = None, NO_VERSION
-            copy.previous_version, copy.previous_header = NO_VERSION, None  # its buffer is written now
-        handles = [self.transport.recv(chunk, src, TAG_DATA) for chunk in self._rest(copy.incoming)]
-        f = self._fused(h.nbytes)
-        copy.incoming[:f].copy_(copy.first[HEADER_BYTES:HEADER_BYTES + f])
-        for handle in handles:
-            handle.wait(self.timeout_s)
+            copy.make_room(h.nbytes)
+        self.wire.receive_rest(copy.incoming, copy.first, src)
         if crc32(copy.incoming) != h.crc32:
             self.stats.commit_failures += 1
             self.on_event("mirror_checksum_failed", source=src, version=version)
@@ -685,8 +420,5 @@ class Mirror:
         with self._commit_lock:
             if self._stop.is_set():
                 return  # frozen for a restore: what is held must not change
-            copy.committed, copy.incoming = copy.incoming, copy.committed
-            copy.previous_version, copy.previous_header = copy.version, copy.committed_header
-            copy.version = h.version
-            copy.committed_header = h
+            copy.commit(h)
         self.on_event("mirror_commit", source=src, version=version)

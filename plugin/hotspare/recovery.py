@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from . import erasure
 from .errors import FatalError, RecoverableError
-from .mirror import NO_VERSION, Mirror
+from .mirror import Mirror
+from .slots import NO_VERSION
 from .planning import KEEPER, SELF, STRIPE, Holdings, RestorePlan, split_load
 from .snapshot import HEADER_LEN, MAGIC, Header, Layout, crc32
 from .transport import GlooTransport

@@ -257,7 +257,7 @@ class RetainedSegment:
 
 
 class RetainedSnapshots:
-    """A mirror's own snapshot buffers in a retained segment (see :class:`hotspare.mirror.Snapshots`).
+    """A mirror's own snapshot buffers in a retained segment (see :class:`hotspare.slots.Snapshots`).
 
     A segment the budget cut to one slot gets a private second buffer: the mirror still keeps
     two versions, the keeper only the one in slot 0.

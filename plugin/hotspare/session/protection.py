@@ -12,7 +12,8 @@ import torch.distributed as dist
 from .. import erasure
 from ..config import ConfigError
 from ..events import log
-from ..mirror import Inherited, Mirror
+from ..mirror import Mirror
+from ..slots import Inherited
 from ..placement import place
 from ..startup import node_ranks
 from ..transport import GlooTransport

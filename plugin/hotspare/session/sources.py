@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .. import checkpoint
 from ..events import log
 from ..keeper import KeeperError
-from ..mirror import NO_VERSION, Inherited
+from ..slots import NO_VERSION, Inherited
 from ..planning import KEEPER, STRIPE, NoConsistentVersion
 from ..recovery import RecoveryError
 from ..retain import RetainedSnapshots
