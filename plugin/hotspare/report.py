@@ -18,13 +18,26 @@ PHASES = ("detect", "plan", "rebuild", "restore", "resume")
 state restored -> mirroring restarted and training resumed."""
 
 
-def load_events(directory: str) -> list[dict]:
-    """Every event of every rank under ``directory``, in time order."""
+def read_events(directory: str, running: bool = False) -> list[dict]:
+    """Every event of every rank under ``directory``, in file order. ``running``: the job still
+    writes them, and a line being written (not JSON yet) is skipped instead of raising."""
     rows = []
     for path in sorted(glob.glob(os.path.join(directory, "events.rank*.jsonl"))):
         with open(path, encoding="utf-8") as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return sorted(rows, key=lambda e: e["t"])
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    if not running:
+                        raise
+    return rows
+
+
+def load_events(directory: str) -> list[dict]:
+    """Every event of every rank under ``directory``, in time order."""
+    return sorted(read_events(directory), key=lambda e: e["t"])
 
 
 def recoveries(events: list[dict], faults: list[dict] = ()) -> list[dict]:

@@ -23,6 +23,7 @@ from .. import control
 from ..control import auth
 from ..generation import connect_store
 from ..launch import LaunchSpec
+from ..report import read_events
 
 _ids = itertools.count()
 
@@ -215,18 +216,8 @@ def ranks_of(out_dir: str) -> dict[int, dict]:
 
 
 def count_events(events_dir: str, kind: str) -> int:
-    """How many events of ``kind`` the job's event logs hold so far."""
-    if not os.path.isdir(events_dir):
-        return 0
-    n = 0
-    for name in os.listdir(events_dir):
-        with open(os.path.join(events_dir, name), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    n += json.loads(line).get("kind") == kind
-                except ValueError:
-                    continue  # a line being written
-    return n
+    """How many events of ``kind`` the job's event logs hold so far (it may still be running)."""
+    return sum(e.get("kind") == kind for e in read_events(events_dir, running=True))
 
 
 def training_started(events_dir: str) -> bool:

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from hotspare.config import HotspareConfig, check_choice, from_mapping, to_mapping
 from hotspare.launch import LaunchSpec, run
 from hotspare.testing.gpt import GPTConfig
+from hotspare.testing.harness import ranks_of
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 WORKER = os.path.join(WORKERS, "gpt_worker.py")
@@ -296,14 +297,12 @@ def launch_spec(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, 
 
 def collect(out_dir: str, num_ranks: int) -> list[dict]:
     """Per-rank results written by the workers, in rank order."""
-    results = []
+    found = ranks_of(out_dir)
     for r in range(num_ranks):
-        path = os.path.join(out_dir, f"rank{r}.json")
-        if not os.path.exists(path):
-            raise RuntimeError(f"rank {r} wrote no result ({path}); see its output above")
-        with open(path, encoding="utf-8") as f:
-            results.append(json.load(f))
-    return results
+        if r not in found:
+            raise RuntimeError(f"rank {r} wrote no result ({os.path.join(out_dir, f'rank{r}.json')}); see its "
+                               f"output above")
+    return [found[r] for r in range(num_ranks)]
 
 
 def summarize(results: list[dict], wall_s: float) -> dict:
