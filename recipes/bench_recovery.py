@@ -62,11 +62,6 @@ from hotspare.config import ConfigError, from_mapping
 WAYS = ("hotspare", "keeper", "stripe", "deepspeed_restart", "megatron_restart", "memory_restart")
 WAYS_OF = {"deepspeed": ("hotspare", "keeper", "stripe", "deepspeed_restart", "memory_restart"),
            "megatron": ("hotspare", "keeper", "megatron_restart", "memory_restart")}
-WORKER = gpt_job.RECOVERY_WORKER
-
-
-def worker_of(job) -> str:
-    return gpt_job.MEGATRON_WORKER if job.framework == "megatron" else WORKER
 
 
 @dataclass
@@ -126,11 +121,6 @@ def _events(out_dir: str) -> list[dict]:
     return rows
 
 
-def _losses(rank: dict) -> dict:
-    """Losses by step (float hex): the DeepSpeed worker's ``losses``, the megatron one's ``losses_hex``."""
-    return rank.get("losses_hex", rank["losses"])
-
-
 def _regained(ranks: list[dict], progress: int) -> float:
     """When every rank had finished step ``progress - 1`` (its last time: replays overwrite)."""
     return max(r["step_end"][str(progress - 1)] for r in ranks)
@@ -149,7 +139,7 @@ def run_hotspare(job, bench, out_dir, keeper: bool, lose_node: bool = False) -> 
     retain = dataclasses.replace(job.hotspare.retain, keeper=keeper)
     job = dataclasses.replace(job, hotspare=dataclasses.replace(job.hotspare, events_dir=os.path.join(out_dir, "events"),
                                                                 retain=retain))
-    code = gpt_job.launch(job, out_dir, worker=worker_of(job), spares_per_node=1, keeper=keeper, mode="hotspare",
+    code = gpt_job.launch(job, out_dir, spares_per_node=1, keeper=keeper, mode="hotspare",
                           kill_rank=bench.kill_rank, kill_step=bench.kill_step, lose_node=lose_node)
     if code != 0:
         raise RuntimeError(f"the hotspare run failed (exit {code}); see its output above")
@@ -178,13 +168,13 @@ def run_hotspare(job, bench, out_dir, keeper: bool, lose_node: bool = False) -> 
 def run_restart(job, bench, out_dir, ckpt_dir: str, every: int) -> dict:
     first, second = os.path.join(out_dir, "first"), os.path.join(out_dir, "restarted")
     opts = {"mode": "restart", "checkpoint_dir": ckpt_dir, "checkpoint_every": every}
-    code = gpt_job.launch(job, first, worker=worker_of(job), kill_rank=bench.kill_rank, kill_step=bench.kill_step,
+    code = gpt_job.launch(job, first, kill_rank=bench.kill_rank, kill_step=bench.kill_step,
                           **opts)
     t_down = time.monotonic()  # the launcher has stopped every process: the job is down
     if code == 0:
         raise RuntimeError("the restart baseline's first run did not fail; the fault did not fire")
     fault = json.load(open(os.path.join(first, "fault.json"), encoding="utf-8"))
-    code = gpt_job.launch(job, second, worker=worker_of(job), resume=True, **opts)
+    code = gpt_job.launch(job, second, resume=True, **opts)
     if code != 0:
         raise RuntimeError(f"the restarted run failed (exit {code}); see its output above")
     ranks = _ranks(second)
@@ -215,7 +205,7 @@ def bench_one(job, bench, run_dir: str) -> dict:
         key = way_job.parallel.num_ranks
         if key not in refs:
             ref_dir = os.path.join(run_dir, f"uninterrupted-{key}ranks")
-            if gpt_job.launch(way_job, ref_dir, worker=worker_of(way_job), mode="hotspare") != 0:
+            if gpt_job.launch(way_job, ref_dir, mode="hotspare") != 0:
                 sys.exit("bench_recovery: the uninterrupted run failed; see its output above")
             refs[key] = _ranks(ref_dir)
         ref = refs[key]
@@ -225,7 +215,7 @@ def bench_one(job, bench, run_dir: str) -> dict:
         identical.append(len(ranks) == len(ref) and all(
             (a["fp32_digest"], a["optimizer_digest"], a["state_digest"]) ==
             (b["fp32_digest"], b["optimizer_digest"], b["state_digest"])
-            and all(_losses(a)[k] == v for k, v in _losses(b).items()) for a, b in zip(ref, ranks)))
+            and all(a["losses"][k] == v for k, v in b["losses"].items()) for a, b in zip(ref, ranks)))
     if in_place:
         result["bitwise_identical"] = all(identical)
     for restart in ("deepspeed_restart", "megatron_restart"):

@@ -26,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from fault_matrix import job_of, run_job, worker_of
+from fault_matrix import job_of, run_job
 from hotspare.config import from_mapping
 from hotspare.testing import job as gpt_job
 from hotspare.testing.harness import Job, ranks_of, training_started
@@ -38,7 +38,7 @@ ConfigStore.instance().store(name="chaos_schema", node=ChaosConfig)
 
 def soak(cfg: ChaosConfig, job, out_dir: str) -> tuple[int | None, list[dict], str]:
     """Run the job and kill on schedule; (exit code or None if hung, kills, launcher log tail)."""
-    spec = gpt_job.launch_spec(job, out_dir, worker=worker_of(job), spares_per_node=cfg.spares, mode="hotspare")
+    spec = gpt_job.launch_spec(job, out_dir, spares_per_node=cfg.spares, mode="hotspare")
     handle = Job(spec, out_dir, name="chaos")
     kills: list[dict] = []
     events = os.path.join(out_dir, "events")

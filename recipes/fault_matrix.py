@@ -56,14 +56,10 @@ def job_of(data: dict, framework: str) -> gpt_job.GPTJobConfig:
     return framework_job(data, framework, OmegaConf.to_container(OmegaConf.load(MEGATRON_OVERRIDES)))
 
 
-def worker_of(job: gpt_job.GPTJobConfig) -> str:
-    return gpt_job.MEGATRON_WORKER if job.framework == "megatron" else gpt_job.RECOVERY_WORKER
-
-
 def run_job(job, out_dir: str, spares: int, timeout_s: float, **options) -> tuple[int | None, str]:
     """The job under hotspare-run in a process of its own; (exit code, or None when it was still
     running after ``timeout_s`` and was stopped; the launcher's output, its end)."""
-    spec = gpt_job.launch_spec(job, out_dir, worker=worker_of(job), spares_per_node=spares, mode="hotspare",
+    spec = gpt_job.launch_spec(job, out_dir, spares_per_node=spares, mode="hotspare",
                                **options)
     handle = Job(spec, out_dir, name="fm")
     code = handle.wait(timeout_s)
@@ -78,7 +74,7 @@ def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_
     from hotspare.control import auth
     from hotspare.testing.netns import Hosts
 
-    base = gpt_job.launch_spec(job, out_dir, worker=worker_of(job), spares_per_node=spares, mode="hotspare")
+    base = gpt_job.launch_spec(job, out_dir, spares_per_node=spares, mode="hotspare")
     per_node = job.parallel.num_ranks // 2
     info: dict = {}
     secret_file = auth.write_secret_file(os.path.join(out_dir, "job.secret"))
@@ -261,7 +257,7 @@ def control_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[di
     rows = []
     for probe in matrix.control_probes:
         out_dir = os.path.join(run_dir, f"control-{probe}")
-        spec = gpt_job.launch_spec(job, out_dir, worker=gpt_job.RECOVERY_WORKER, spares_per_node=1, mode="hotspare")
+        spec = gpt_job.launch_spec(job, out_dir, spares_per_node=1, mode="hotspare")
         spec.job_id = f"cp{os.getpid()}{probe[:6]}"
         t0 = time.monotonic()
         info: dict = {}
@@ -279,7 +275,7 @@ def control_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[di
                 secret = auth.write_secret_file(os.path.join(out_dir, "intruder.secret"))
                 intruder = subprocess.run([sys.executable, "-m", "hotspare.launch", "--nnodes", "2", "--node-rank", "1",
                                            "--master-port", str(port), "--job-secret-file", secret,
-                                           gpt_job.RECOVERY_WORKER], capture_output=True, text=True, timeout=120)
+                                           gpt_job.WORKER], capture_output=True, text=True, timeout=120)
                 info["intruder_exit"] = intruder.returncode
                 info["intruder_said"] = intruder.stderr.strip().splitlines()[-1][-300:] if intruder.stderr else ""
             elif probe == "kill_keeper":

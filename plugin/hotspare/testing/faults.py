@@ -32,8 +32,7 @@ the first recovery's generation: a failure during a recovery already in progress
 must fail first, which the fault matrix arranges).
 
 A worker builds an :class:`Injector` after ``initialize`` and calls it at its phase points: the
-DeepSpeed recipe worker (``hotspare/testing/workers/recovery_worker.py``) and the megatron-core one
-(``workers/mcore_worker.py``) do.
+job's worker (``hotspare/testing/workers/job_worker.py``) does, on DeepSpeed and on megatron-core.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The GPT smoke job shared by the recipes and the tests: its typed config schema, the
-DeepSpeed config it implies, and launching its ranks through hotspare-run (its workers are the
-scripts in ``workers/``: ``gpt_worker.py`` trains, ``recovery_worker.py`` is the benchmarks' and
-the fault matrix's DeepSpeed rank, ``mcore_worker.py`` the megatron-core one).
+DeepSpeed config it implies, and launching its ranks through hotspare-run (its ranks run
+``workers/job_worker.py``, on DeepSpeed or megatron-core, in the mode run.json names).
 
 The recipes are Hydra entry points over this module, so that train_gpt.py, the benchmarks and
 the tests describe one job the same way; :mod:`hotspare.testing.harness` runs a job in the
@@ -24,9 +23,7 @@ from hotspare.testing.gpt import GPTConfig
 from hotspare.testing.harness import ranks_of
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
-WORKER = os.path.join(WORKERS, "gpt_worker.py")
-RECOVERY_WORKER = os.path.join(WORKERS, "recovery_worker.py")
-MEGATRON_WORKER = os.path.join(WORKERS, "mcore_worker.py")
+WORKER = os.path.join(WORKERS, "job_worker.py")
 FRAMEWORKS = ("deepspeed", "megatron")
 
 
@@ -268,13 +265,14 @@ def launch_spec(job: GPTJobConfig, out_dir: str, extra_env: dict | None = None, 
                 spares_per_node: int | None = None, keeper: bool = True, **worker_options) -> LaunchSpec:
     """Write run.json and return the hotspare-run spec that runs the job's ranks.
 
-    ``worker_options`` go to gpt_worker.py as is: ``verify_mirror`` (record digests of every
-    live and mirrored version), ``mirror_block`` (alternate blocks of steps off and on).
+    ``worker_options`` go to job_worker.py's run.json as is: ``mode`` ('train', 'hotspare',
+    'restart'), ``verify_mirror`` (record digests of every live and mirrored version),
+    ``mirror_block`` (alternate blocks of steps off and on), the faults (see the worker).
     Events go to ``out_dir/events`` unless ``hotspare.events_dir`` says otherwise.
     """
     os.makedirs(out_dir, exist_ok=True)
     if worker is None:
-        worker = MEGATRON_WORKER if job.framework == "megatron" else WORKER
+        worker = WORKER
     ds = deepspeed_config(job)
     if job.hotspare.enabled and not job.hotspare.events_dir:
         ds["hotspare"]["events_dir"] = os.path.join(out_dir, "events")
@@ -309,9 +307,10 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     """The job summary: loss at start and end (mean over ranks), throughput, digests."""
     steps = results[0]["steps"]
     k = max(1, min(10, steps // 10))
-    # A spare's record starts at the step it landed on: each step's mean is over the ranks that have it.
-    mean_loss = [statistics.fmean(r["losses"][i - r["first_step"]] for r in results
-                                  if 0 <= i - r["first_step"] < len(r["losses"])) for i in range(steps)]
+    # A spare's record starts at the step it landed on, a megatron rank off the last stage has none:
+    # each step's mean is over the ranks that have it.
+    mean_loss = [statistics.fmean(float.fromhex(r["losses"][str(i)]) for r in results if str(i) in r["losses"])
+                 for i in range(steps)]
     step_s = statistics.median(r["step_s_median"] for r in results)
     return {
         "steps": steps, "num_ranks": len(results), "framework": results[0].get("framework", "deepspeed"),

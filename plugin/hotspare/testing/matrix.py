@@ -149,10 +149,6 @@ def framework_job(data: dict, framework: str, megatron: dict | None = None) -> G
     return from_mapping(GPTJobConfig, job)
 
 
-def losses(r: dict) -> dict:
-    return r.get("losses_hex", r.get("losses", {}))
-
-
 def classify(code: int | None, tail: str, ranks: dict, ref: dict, world: int) -> dict:
     """Outcome, bitwise equality, lost iterations and recovery time of one case."""
     row = {"bitwise_identical": None, "lost_iterations": None, "recovery_s": None, "note": ""}
@@ -175,7 +171,7 @@ def classify(code: int | None, tail: str, ranks: dict, ref: dict, world: int) ->
         return {**row, "outcome": "crashed", "note": f"ranks that wrote results: {sorted(ranks)}"}
     identical = all((ranks[r]["fp32_digest"], ranks[r]["optimizer_digest"], ranks[r]["state_digest"]) ==
                     (ref[r]["fp32_digest"], ref[r]["optimizer_digest"], ref[r]["state_digest"])
-                    and all(losses(ref[r]).get(k) == v for k, v in losses(ranks[r]).items()) for r in range(world))
+                    and all(ref[r]["losses"].get(k) == v for k, v in ranks[r]["losses"].items()) for r in range(world))
     row["bitwise_identical"] = identical
     if not identical:
         return {**row, "outcome": "wrong", "note": "finished, but not bitwise identical to the uninterrupted run"}
