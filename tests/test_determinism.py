@@ -49,6 +49,7 @@ def test_two_runs_with_one_seed_are_bitwise_identical(zero, tmp_path, request, n
     for r, (a, b) in enumerate(zip(first, second)):
         for key in FIELDS:
             assert a[key] == b[key], f"rank {r}: {key} differs between two runs with the same seed"
+        assert statedigest.differences(a["state_digest"], b["state_digest"]) == [], r
     # The comparison can fail: ranks see different data, and another seed changes everything.
     assert len({tuple(r["losses"].values()) for r in first}) == 4
     other = run_job(tmp_path / "c", zero=zero, train={"steps": 2, "seed": 99})

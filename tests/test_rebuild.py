@@ -9,6 +9,7 @@ import os
 import pytest
 
 from hotspare import launch
+from hotspare.testing import statedigest
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "rebuild_groups.py")
 
@@ -32,6 +33,7 @@ def test_groups_rebuilt_in_place_keep_training_bitwise(stage, tmp_path, no_leaks
     for a, b in zip(plain, rebuilt):
         assert a["losses"] == b["losses"]
         assert (a["fp32"], a["optim"]) == (b["fp32"], b["optim"])
+        assert statedigest.differences(a["state"], b["state"]) == []
     found = rebuilt[0]["found"]
     # ZeRO 1/2 hold one clone of the world group (data parallel); ZeRO 3 also the default group.
     assert found["before"][0] == [[0, 1], False]

@@ -2,7 +2,7 @@
 process group, joins generation 1 on the same control store, re-points every group handle
 DeepSpeed holds to new groups (hotspare.rebuild, through the references its walk recorded) and
 trains on. Writes the per-step losses
-and digests, and what the rebuild found, to OUT/rank<R>.json."""
+and digests (the host-view one among them), and what the rebuild found, to OUT/rank<R>.json."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ import hotspare
 from hotspare import rebuild
 from hotspare.generation import Generation, join, leave
 from hotspare.integrations.deepspeed import fp32_partitions, optimizer_state_tensors
-from hotspare.testing import digest
+from hotspare.testing import digest, statedigest
 from tiny import tiny_model_and_config
 
 
@@ -52,7 +52,8 @@ def main(stage: int, mode: str, out: str) -> None:
         engine.step()
         losses.append(float(loss).hex())
     result = {"losses": losses, "fp32": digest(fp32_partitions(engine)),
-              "optim": digest(t for _, t in optimizer_state_tensors(engine)), "found": found}
+              "optim": digest(t for _, t in optimizer_state_tensors(engine)), "found": found,
+              "state": statedigest.deepspeed_engine(engine)}
     session.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

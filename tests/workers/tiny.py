@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import random
 import warnings
 
+import numpy as np
 import torch
 
 from hotspare.env import make_deterministic
@@ -81,9 +83,13 @@ def batch(step: int, rank: int, micro: int) -> torch.Tensor:
 
 
 def loss_of(engine, tokens):
+    """The micro-batch's loss, scaled by a draw from Python's and from NumPy's generator: users'
+    data pipelines draw from both (augmentation, sampling), so a spare that did not get the dead
+    rank's two generator states back trains on different gradients."""
+    scale = 1 + 1e-2 * (random.random() + float(np.random.rand()))
     if model_name().startswith("hf_"):
-        return hf.loss(engine, tokens)
-    return engine(tokens, tokens)
+        return hf.loss(engine, tokens) * scale
+    return engine(tokens, tokens) * scale
 
 
 def tiny_model_and_config(stage: int, lr: float = 1e-3, **extra):
