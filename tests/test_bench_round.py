@@ -20,12 +20,13 @@ def test_bench_round_writes_its_json(tmp_path, no_leaks):
     assert r["num_ranks"] == 3 and len(r["runs"]) == 1 and len(r["runs"][0]) == 3
     for rank in r["runs"][0]:
         assert rank["rounds"] == 20
+        # Measured, not thresholds: the process's CPU time holds its mirror thread's.
         assert rank["process_cpu_ms"] >= rank["mirror_thread_cpu_ms"] > 0
         # Each rank sends k+m-1 = 2 shares of ceil(bytes/k) (the snapshot is 100000 B of fp32
         # plus its layout's metadata area).
         assert rank["bytes_sent_per_round"] >= 2 * 50000
     for key in ("process_cpu_ms", "mirror_thread_cpu_ms", "capture_cpu_ms", "round_wall_ms"):
-        assert r[key] > 0, key
+        assert r[key] > 0, key  # a number was measured (how big is the benchmark's to say)
 
 
 def test_bench_round_refuses_a_bad_tier(tmp_path):

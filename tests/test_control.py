@@ -37,7 +37,8 @@ MESSAGES = [
     control.Spare(worker="s1.0", node=1),
     control.Kill(worker="a3", detect_s=2.0),
     control.Plan(generation=2, world_size=2, workers={"0": "a0", "1": "s0.0"}, replaced={"1": "s0.0"},
-                 failures=[{"worker": "a1"}], failures_read=1),
+                 failures=[{"worker": "a1", "rank": 1, "code": -9, "reason": "exit", "wall_time": 1.5, "detect_s": 0.0}],
+                 failures_read=1),
 ]
 
 
@@ -67,34 +68,42 @@ def test_a_value_of_the_wrong_shape_is_refused_naming_its_key_and_field(cls, tex
 
 
 def test_a_list_entry_that_does_not_parse_is_skipped_and_named_once(plane, capfd):
+    """A stranger's entry (under the list's public names: the job's own are under names only its
+    processes know) is named, never read; a signed entry that is not a Failure (a bug's) is
+    skipped, named; the valid ones around them are read."""
     good = control.Failure(worker="a1", rank=1, code=-9, reason="exit", wall_time=time.time())
     plane.report_failure(good)
-    index = plane.raw.add(keys.FAIL_COUNT, 1) - 1  # a stranger's entry, through the counter as a writer would
+    index = plane.raw.add(keys.FAIL_COUNT, 1) - 1  # a stranger's entry, through the public counter
     plane.raw.set(f"{keys.FAIL}{index}", "{not json")
-    plane.append(keys.FAIL_COUNT, keys.FAIL, "{not json either}")  # signed, but not a Failure (a bug's)
+    plane.append(keys.FAIL, "{not json either}")  # signed, but not a Failure (a bug's)
     plane.report_failure(good)
-    got, next_index = plane.failures(0)
-    assert got == [good, good] and next_index == 4
+    cursor = control.ListCursor(keys.FAIL)
+    assert plane.failures(cursor) == ([good, good], 3)
     err = capfd.readouterr().err
-    assert "control store key 'fail/1': not signed with this job's secret" in err
-    assert "control store key 'fail/2': not JSON" in err
-    assert plane.failures(next_index) == ([], 4)
+    assert "control store key 'fail/0': not signed with this job's secret" in err
+    assert "control store key 'fail/<job>/1': not JSON" in err
+    assert plane.failures(cursor) == ([], 3)
+    assert capfd.readouterr().err == ""  # each named once
 
 
-def test_a_counted_entry_never_written_is_skipped_after_a_while(plane, monkeypatch, capfd):
-    """A writer that died between counting an entry and writing it (or a stranger that moved
-    the counter) does not block the entries after it."""
-    from hotspare.control import store as store_mod
+def test_a_counted_entry_never_written_is_skipped_after_a_while(plane, capfd):
+    """A writer that died between counting an entry and writing it does not block the entries
+    after it: they are read at once, and the hole is skipped after HOLE_S (the store's clock,
+    driven here)."""
+    from hotspare.control import lists
 
     now = [100.0]
-    monkeypatch.setattr(store_mod.time, "monotonic", lambda: now[0])
-    plane.raw.add(keys.FAIL_COUNT, 1)  # index 0 counted, never written
+    plane.clock = lambda: now[0]
+    plane.raw.add(f"{lists.private_prefix(plane.signer, keys.FAIL)}count", 1)  # index 0 counted, never written
     good = control.Failure(worker="a1", rank=1, code=-9, reason="exit", wall_time=1.0)
     plane.report_failure(good)
-    assert plane.failures(0) == ([], 0)  # perhaps still being written
-    now[0] += store_mod.HOLE_S + 0.1
-    assert plane.failures(0) == ([good], 2)
-    assert "'fail/0': counted in 'fail/count' but not written" in capfd.readouterr().err
+    cursor = control.ListCursor(keys.FAIL)
+    assert plane.failures(cursor) == ([good], 0)  # index 0 perhaps still being written
+    now[0] += lists.HOLE_S - 0.01
+    assert plane.failures(cursor) == ([], 0)
+    now[0] += 0.02
+    assert plane.failures(cursor) == ([], 2)
+    assert "'fail/<job>/0': counted in 'fail/<job>/count' but not written" in capfd.readouterr().err
 
 
 def test_values_of_another_job_or_a_stranger_read_as_absent(plane):
@@ -146,6 +155,10 @@ def test_single_values_of_the_wrong_shape_are_refused_naming_their_key(plane):
     plane.put(keys.heartbeat_timeout("a0"), "nan")
     with pytest.raises(control.BadMessage, match="'hb/a0/timeout'.*finite"):
         plane.beat_timeout("a0")
+    for bad in ("0", "-2.5", "inf"):  # a silence of 0 s or less would have the launcher kill at once
+        plane.put(keys.heartbeat_timeout("a0"), bad)
+        with pytest.raises(control.BadMessage, match="'hb/a0/timeout'.*finite number > 0"):
+            plane.beat_timeout("a0")
     plane.put(keys.ready("s0.0"), "1")
     with pytest.raises(control.BadMessage, match="'ready/s0.0'"):
         plane.ready_scope("s0.0")
@@ -171,9 +184,8 @@ def test_the_coordinator_goes_on_past_entries_that_do_not_parse():
     launcher.open_store()
     plane = launcher.control
     coordinator = Coordinator(launcher.spec, plane, launcher.world_size, launcher.port)
-    for counter, prefix in ((keys.SPARE_COUNT, keys.SPARE), (keys.FAIL_COUNT, keys.FAIL),
-                            (keys.WAIT_COUNT, keys.WAIT)):
-        plane.append(counter, prefix, '{"worker": "a0; kill"}')
+    for prefix in (keys.SPARE, keys.FAIL, keys.WAIT):
+        plane.append(prefix, '{"worker": "a0; kill"}')
     plane.mark_trained()
     plane.register_spare("s0.0", 0)
     plane.set_ready("s0.0", control.SPARE_ANY)

@@ -2,6 +2,7 @@
 Starts real processes (tiny Python scripts) on 127.0.0.1; no DeepSpeed."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -92,15 +93,18 @@ def test_an_address_that_does_not_resolve_is_named(monkeypatch):
 
 def test_a_stale_extension_build_lock_is_named_and_where_torch_builds(tmp_path, capfd, monkeypatch):
     """A build killed midway leaves torch's lock file: any later worker needing that op would
-    wait for it forever. The launcher names one older than STALE_LOCK_S, with what to do."""
+    wait for it forever. A lock nobody holds that the launcher cannot be sure of (here: on a
+    network file system, where another machine may hold it) is named at once, with what to do."""
     from torch.utils import cpp_extension
 
-    for name, age in (("fused_adam", 2 * launch.STALE_LOCK_S), ("cpu_adam", 10.0)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "lock").touch()
-        os.utime(tmp_path / name / "lock", (time.time() - age, time.time() - age))
-    assert launch.warn_stale_build_locks(str(tmp_path)) == [str(tmp_path / "fused_adam" / "lock")]
+    import hotspare.launch.buildlocks
+
+    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam" / "lock").touch()
+    monkeypatch.setattr(hotspare.launch.buildlocks, "file_system_of", lambda p: ("/home", "nfs"))
+    assert launch.clear_stale_build_locks(str(tmp_path)) == [str(tmp_path / "fused_adam" / "lock")]
     assert f"rm {tmp_path / 'fused_adam' / 'lock'}" in capfd.readouterr().err
+    assert (tmp_path / "fused_adam" / "lock").exists()  # not removed: it may be another machine's
     # Where torch 2.13 builds (it creates the directory; hotspare computes the same path without).
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     probe = cpp_extension._get_build_directory("hotspare-probe", verbose=False)
@@ -198,15 +202,23 @@ def test_nothing_outlives_a_killed_launcher(tmp_path, no_leaks):
 
 
 SPARE_SCRIPT = textwrap.dedent("""
-    import json, os, sys, time
+    import glob, json, os, sys, time
     from hotspare import control, worker
     from hotspare.generation import store_from_env
     out = sys.argv[1]
     store = control.ControlStore(store_from_env())
     wid = worker.worker_id()
+
+    def wait_for(*patterns):  # files in out; bounded: the test's assertions say what did not happen
+        deadline = time.monotonic() + 60
+        while not all(glob.glob(os.path.join(out, p)) for p in patterns if p) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     if worker.role() == "spare":
-        with open(os.path.join(out, "started." + wid), "w") as f:
-            f.write(str(time.time()))
+        open(os.path.join(out, "started." + wid), "w").close()
+        deadline = time.monotonic() + 60
+        while os.environ.get("SPARES_AFTER_FAILURE") and not store.failures(0)[0] and time.monotonic() < deadline:
+            time.sleep(0.02)  # not ready before the failure: the coordinator must wait for a spare
         try:
             plan = worker.wait_for_order(store, wid)
         except worker.Shutdown:
@@ -214,55 +226,76 @@ SPARE_SCRIPT = textwrap.dedent("""
             sys.exit(0)
         rank = plan.rank_of(wid)
         with open(os.path.join(out, "took." + wid), "w") as f:
-            json.dump({"rank": rank, "generation": plan.generation, "failures": plan.failures,
-                       "t": time.time()}, f)
-        if "CATCH_UP_S" in os.environ:  # what rank 0 of a recovered generation says once caught up
-            time.sleep(float(os.environ["CATCH_UP_S"]))
-            with open(os.path.join(out, "caught_up"), "w") as f:
-                f.write(str(time.time()))
+            json.dump({"rank": rank, "generation": plan.generation, "failures": plan.failures}, f)
+        if "CAUGHT_UP_AFTER" in os.environ:  # what rank 0 of a recovered generation says once caught up
+            wait_for(os.environ["CAUGHT_UP_AFTER"])
             store.set_caught_up(plan.generation, 1)
-        deadline = time.time() + 60
-        while os.environ.get("TAKEN_UNTIL") and time.time() < deadline and \
-                not os.path.exists(os.path.join(out, os.environ["TAKEN_UNTIL"])):
-            time.sleep(0.05)  # then it ends as its rank would
+        wait_for(os.environ.get("TAKEN_UNTIL"))  # then it ends as its rank would
     else:
         rank = int(os.environ["RANK"])
         store.mark_trained()  # as rank 0 of a job past its first step
         hb = worker.Heartbeat(wid, 0.1, float(os.environ.get("HB_TIMEOUT", "2")))
         mode = os.environ.get("FAIL_" + wid, "")
         if mode == "exit":
-            time.sleep(0.3)  # usually before the spares are ready: the coordinator must wait for one
             os._exit(7)
-        if mode == "exit_after_takeover":  # a second failure, once an earlier one was taken over
-            import glob
-            deadline = time.time() + 60
-            while not glob.glob(os.path.join(out, "took.*")) and time.time() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.5)
-            open(os.path.join(out, "exit." + wid), "w").write(str(time.time()))
+        if mode == "exit_after_takeover":
+            # A second failure, once an earlier one was taken over and the launcher held the
+            # promoted spare's successor back (passed.<wid>: see SuccessorSpy).
+            wait_for("took.*", "passed.*")
             os._exit(7)
-        deadline = time.time() + 60
-        while os.environ.get("RUN_UNTIL") and time.time() < deadline and \
-                not os.path.exists(os.path.join(out, os.environ["RUN_UNTIL"])):
-            time.sleep(0.05)  # bounded: the test's assertions say what did not happen
-        if mode == "hang":
-            time.sleep(0.5)
+        if mode == "hang":  # once every spare is ready: node 0's takes the rank
+            deadline = time.monotonic() + 60
+            while not all(store.is_ready(s) for s in os.environ["SPARES"].split(",")) and time.monotonic() < deadline:
+                time.sleep(0.02)
             import signal
-            os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(float(os.environ.get("RUN_S", "3")))
+            os.kill(os.getpid(), signal.SIGSTOP)  # beat 0 is in the store: the launcher watches it
+        wait_for(os.environ.get("RUN_UNTIL"))
         hb.close()
         open(os.path.join(out, "done." + wid), "w").close()
 """)
 
 
-def test_a_spare_takes_a_dead_ranks_place_and_a_new_spare_starts_once_caught_up(tmp_path, no_leaks, capfd):
+class SuccessorSpy:
+    """Watches the launcher's successor policy (launch.run runs it in this process): ``started``
+    holds, for each successor it started, what the control store said right after (the
+    generations caught up, the workers whose failures were reported); and after each pass of
+    the policy that looked at a successor ``wid`` it touches ``out/passed.<wid>``. A worker that waits for that file
+    before it acts acts after a pass that could have started ``wid`` too early, and after that
+    pass's read: keys are only ever added, so ``started`` shows whether what was due had
+    happened when ``wid`` was started."""
+
+    def __init__(self, monkeypatch, out):
+        from hotspare.launch.successors import Successors
+
+        self.out, self.started = out, {}
+        start_due = Successors.start_due
+
+        def spy(successors, generation):
+            pending = [s.wid for s in successors.pending]
+            start_due(successors, generation)
+            if not pending:
+                return
+            plane = successors.control()
+            for wid in set(pending) - {s.wid for s in successors.pending}:
+                self.started[wid] = {"caught_up": [g for g in range(1, generation + 1) if plane.caught_up(g)],
+                                     "failed": sorted(f.worker for f in plane.failures(0)[0])}
+            for wid in pending:
+                (self.out / f"passed.{wid}").touch()
+
+        monkeypatch.setattr(Successors, "start_due", spy)
+
+
+def test_a_spare_takes_a_dead_ranks_place_and_a_new_spare_starts_once_caught_up(tmp_path, no_leaks, capfd,
+                                                                                 monkeypatch):
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    spy = SuccessorSpy(monkeypatch, tmp_path)
     spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=4, logical_nodes=2, spares_per_node=1,
-                             extra_env={"FAIL_a3": "exit", "CATCH_UP_S": "1", "RUN_UNTIL": "caught_up",
-                                        "RUN_S": "2"}, term_grace_s=30)
+                             extra_env={"FAIL_a3": "exit", "SPARES_AFTER_FAILURE": "1",
+                                        "CAUGHT_UP_AFTER": "passed.s*.1", "RUN_UNTIL": "started.s*.1"},
+                             term_grace_s=30)
     assert launch.run(spec) == 0
-    # Rank 3 (logical node 1) dies 0.3 s in, usually before any spare is ready: the first ready
-    # spare takes it in generation 1 (node 1's if both are ready by then).
+    # Rank 3 (logical node 1) dies before any spare is ready (they wait for its failure report):
+    # the first ready spare takes it in generation 1 (node 1's if both are ready by then).
     [path] = tmp_path.glob("took.*")
     promoted = path.name[len("took."):]
     took = json.loads(path.read_text())
@@ -270,20 +303,24 @@ def test_a_spare_takes_a_dead_ranks_place_and_a_new_spare_starts_once_caught_up(
     assert took["failures"][0]["worker"] == "a3" and took["failures"][0]["code"] == 7
     assert {p.name for p in tmp_path.glob("done.*")} == {"done.a0", "done.a1", "done.a2"}
     # The promoted spare's node got a new spare, started only once generation 1 said it caught
-    # up (not with the plan: its warm-up would compete with the recovery); it and the other
-    # node's spare were released at the end.
+    # up (not with the plan: its warm-up would compete with the recovery; the promoted spare
+    # says so only after the launcher held the successor back once); it and the other node's
+    # spare were released at the end.
     node = int(promoted[1:promoted.index(".")])
     successor, other = f"s{node}.1", f"s{1 - node}.0"
-    assert float((tmp_path / f"started.{successor}").read_text()) >= float((tmp_path / "caught_up").read_text())
+    assert spy.started == {successor: {"caught_up": [1], "failed": ["a3"]}}, spy.started
     assert f"starting spare {successor} on node {node} (the generation caught up)" in capfd.readouterr().err
     assert {p.name for p in tmp_path.glob("shutdown.*")} == {f"shutdown.{other}", f"shutdown.{successor}"}
 
 
-def test_a_successor_starts_after_its_wait_runs_out_or_at_once_when_another_failure_comes(tmp_path, no_leaks, capfd):
+def test_a_successor_starts_after_its_wait_runs_out_or_at_once_when_another_failure_comes(tmp_path, no_leaks, capfd,
+                                                                                          monkeypatch):
     """Nobody says the generation caught up. One node, one spare: rank 1 dies, s0.0 takes it;
     its successor s0.1 is registered but not started. Rank 0 dies after that takeover: s0.1 starts at
-    once (its wait, 30 s, has not run out) and takes rank 0. Then a job whose wait is 1 s."""
+    once (its wait, 30 s, has not run out) and takes rank 0. Then a job whose wait is 1 s (how
+    long it waits: test_a_successor_is_due_when_caught_up_another_failure_came_or_its_wait_ran_out)."""
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
+    spy = SuccessorSpy(monkeypatch, tmp_path)
     spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=2, logical_nodes=1, spares_per_node=1,
                              extra_env={"FAIL_a1": "exit", "FAIL_a0": "exit_after_takeover",
                                         "TAKEN_UNTIL": "took.s0.1"}, term_grace_s=30)
@@ -291,37 +328,101 @@ def test_a_successor_starts_after_its_wait_runs_out_or_at_once_when_another_fail
     assert json.loads((tmp_path / "took.s0.0").read_text())["rank"] == 1
     second = json.loads((tmp_path / "took.s0.1").read_text())
     assert second["rank"] == 0 and second["generation"] == 2 and second["failures"][0]["worker"] == "a0"
-    assert float((tmp_path / "started.s0.1").read_text()) >= float((tmp_path / "exit.a0").read_text())
+    assert spy.started == {"s0.1": {"caught_up": [], "failed": ["a0", "a1"]}}, spy.started  # a0's came first
     assert "starting spare s0.1 on node 0 (another failure came)" in capfd.readouterr().err
 
-    out = tmp_path / "bound"
+    out = spy.out = tmp_path / "bound"
     out.mkdir()
+    spy.started.clear()
     spec = launch.LaunchSpec(script=[script, str(out)], nproc_per_node=2, logical_nodes=1, spares_per_node=1,
-                             successor_wait_s=1.0, extra_env={"FAIL_a1": "exit", "RUN_UNTIL": "started.s0.1", "RUN_S": "1"},
+                             successor_wait_s=1.0, extra_env={"FAIL_a1": "exit", "RUN_UNTIL": "started.s0.1"},
                              term_grace_s=30)
     assert launch.run(spec) == 0
-    took = json.loads((out / "took.s0.0").read_text())
-    assert float((out / "started.s0.1").read_text()) >= took["t"] + 0.9  # the plan came before the takeover
+    assert json.loads((out / "took.s0.0").read_text())["rank"] == 1
+    assert spy.started == {"s0.1": {"caught_up": [], "failed": ["a1"]}}, spy.started  # nothing else was due
     assert "starting spare s0.1 on node 0 (--successor-wait-s=1.0 ran out)" in capfd.readouterr().err
     assert (out / "shutdown.s0.1").exists()
+
+
+def test_a_successor_is_due_when_caught_up_another_failure_came_or_its_wait_ran_out(monkeypatch, capfd):
+    """The successor policy on its own clock, driven here (in process, a real control store, no
+    workers): a successor registered at t=100 with --successor-wait-s=1 is not started at 100.999
+    and is at 101; one is started at once when its generation (or a later one) caught up, or
+    when a failure its plan does not answer is reported."""
+    from hotspare.launch import successors
+
+    now = [100.0]
+    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=2))
+    launcher.open_store()
+    plane = launcher.control
+    failure = control.Failure(worker="a1", rank=1, code=-9, reason="exit", wall_time=time.time())
+    plane.report_failure(failure)
+    started = []
+    policy = successors.Successors(1.0, lambda: plane, lambda wid, node: started.append(wid), clock=lambda: now[0])
+
+    def register(wid, g):
+        policy.register(wid, 0, control.Plan(g, 2, {"0": "a0", "1": "s0.0"}, replaced={"1": "s0.0"},
+                                             failures=[dataclasses.asdict(failure)], failures_read=1))
+
+    register("s0.1", 1)
+    for t in (100.0, 100.999):
+        now[0] = t
+        policy.start_due(1)
+        assert started == [], t
+    now[0] = 101.0
+    policy.start_due(1)
+    assert started == ["s0.1"] and "starting spare s0.1 on node 0 (--successor-wait-s=1.0 ran out)" in \
+        capfd.readouterr().err
+    register("s0.2", 2)
+    policy.start_due(2)
+    plane.set_caught_up(3, 1)  # a later generation than the successor's caught up
+    policy.start_due(3)
+    assert started == ["s0.1", "s0.2"] and "s0.2 on node 0 (the generation caught up)" in capfd.readouterr().err
+    register("s0.3", 4)
+    policy.start_due(4)
+    plane.report_failure(control.Failure(worker="a0", rank=0, code=-9, reason="exit", wall_time=time.time()))
+    policy.start_due(4)
+    assert started == ["s0.1", "s0.2", "s0.3"] and "s0.3 on node 0 (another failure came)" in capfd.readouterr().err
 
 
 def test_a_silent_worker_is_killed_and_replaced(tmp_path, no_leaks):
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=2, logical_nodes=2, spares_per_node=1,
-                             extra_env={"FAIL_a0": "hang", "HB_TIMEOUT": "1", "RUN_S": "4"}, term_grace_s=5)
+                             extra_env={"FAIL_a0": "hang", "SPARES": "s0.0,s1.0", "HB_TIMEOUT": "1",
+                                        "RUN_UNTIL": "took.*"}, term_grace_s=5)
     assert launch.run(spec) == 0
     took = json.loads((tmp_path / "took.s0.0").read_text())
     failure = took["failures"][0]
+    # Found by its silence (not by an exit, which it never made); how long the launcher waits:
+    # test_a_worker_is_silent_once_it_beat_and_then_did_not_for_its_timeout.
     assert took["rank"] == 0 and failure["reason"] == "heartbeat" and failure["code"] == -signal.SIGKILL
-    assert failure["detect_s"] >= 1.0  # it waited out the timeout before acting (no upper bound: noisy machine)
+
+
+def test_a_worker_is_silent_once_it_beat_and_then_did_not_for_its_timeout():
+    """The launcher's heartbeat rule on its own clock, driven here: a worker is watched from its
+    first beat, with the timeout it asked for then; silent for exactly that long it is not
+    reported, a little longer it is (with how long), a new beat starts over, a goodbye ends it."""
+    from types import SimpleNamespace
+
+    w = launch.Worker("a0", 0, SimpleNamespace(pid=os.getpid()), rank=0)
+    try:
+        assert w.heard(None, None, 10.0) is None and w.heard(None, None, 99.0) is None  # no beat yet
+        assert w.heard(0, 1.0, 100.0) is None  # the first beat, asking for 1 s
+        assert w.heard(0, None, 101.0) is None
+        assert w.heard(0, None, 101.25) == 1.25
+        assert w.heard(1, None, 101.5) is None and w.heard(1, None, 102.5) is None
+        assert w.heard(1, None, 102.75) == 1.25
+        assert w.heard(-1, None, 103.0) is None and w.heard(-1, None, 200.0) is None  # goodbye
+    finally:
+        w.finish()
 
 
 def test_without_a_ready_spare_the_job_stops_with_the_code(tmp_path, no_leaks):
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     spec = launch.LaunchSpec(script=[script, str(tmp_path)], nproc_per_node=2, logical_nodes=2,
-                             extra_env={"FAIL_a1": "exit", "RUN_S": "30"}, term_grace_s=5)
-    # RUN_S=30: the survivor would sleep 30 s; the abort stops it (the pytest timeout bounds a hang).
+                             extra_env={"FAIL_a1": "exit", "RUN_UNTIL": "never"}, term_grace_s=5)
+    # The survivor would wait for a file nobody writes (60 s); the abort stops it (the pytest
+    # timeout bounds a hang).
     assert launch.run(spec) == 7
 
 
@@ -454,7 +555,7 @@ def test_with_spare_wait_the_job_waits_for_a_replacement_node_that_brings_spares
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     port = _free_port()
     secret = auth.write_secret_file(str(tmp_path / "job.secret"))
-    env = {**os.environ, "FAIL_a1": "exit", "RUN_S": "10", "HOTSPARE_JOB_SECRET_FILE": secret}
+    env = {**os.environ, "FAIL_a1": "exit", "RUN_UNTIL": "took.s1.0", "HOTSPARE_JOB_SECRET_FILE": secret}
     log = tmp_path / "job.log"
     with open(log, "w") as out:
         job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--master-port",
@@ -493,7 +594,7 @@ def test_a_stranger_on_the_store_port_cannot_act_on_the_job(tmp_path, no_leaks):
     script = write(tmp_path, "spare.py", SPARE_SCRIPT)
     port = _free_port()
     log = tmp_path / "job.log"
-    env = {**os.environ, "RUN_UNTIL": "go", "RUN_S": "0.5"}
+    env = {**os.environ, "RUN_UNTIL": "go"}
     with open(log, "w") as out:
         job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--spares-per-node",
                                 "1", "--master-port", str(port), script, str(tmp_path)], env=env, stderr=out)
@@ -541,7 +642,7 @@ def test_a_signed_value_of_the_wrong_shape_stops_the_job_naming_its_key(tmp_path
     port = _free_port()
     secret = auth.write_secret_file(str(tmp_path / "job.secret"))
     log = tmp_path / "job.log"
-    env = {**os.environ, "RUN_UNTIL": "never", "RUN_S": "0"}
+    env = {**os.environ, "RUN_UNTIL": "never"}
     with open(log, "w") as out:
         job = subprocess.Popen([sys.executable, "-m", "hotspare.launch", "--nproc-per-node", "2", "--master-port",
                                 str(port), "--job-id", "badjob", "--job-secret-file", secret, script,
@@ -583,10 +684,20 @@ def signed_plane(master, monkeypatch) -> control.ControlStore:
     return control.ControlStore(master, auth.Signer(secret, ""))
 
 
-def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_close(monkeypatch):
+def until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Return once ``condition()`` holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_close(monkeypatch, capfd):
     """Heartbeat's alarm thread blocks on alarm/<g>/<wid> for the generation watched: the alarm
     of that generation calls back (once), one that comes while the worker recovers (watching
-    None) does not, the next generation's does; close() ends the thread though no alarm came."""
+    None) does not, nor a stranger's unsigned one, the next generation's does; close() ends the
+    thread though no alarm came. Each "does not" is read once the thread is past the point
+    where it would have called back (what it listens on, what it logged)."""
     import threading
 
     import torch.distributed as dist
@@ -610,17 +721,18 @@ def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_c
         hb.watch(None)  # recovering: generation 1's alarm (a failure while it forms) is not for it
         event.clear()
         plane.alarm(1, ["a1"])
-        assert not event.wait(0.3)
         hb.watch(2, callback)
+        until(lambda: hb.listening == 2, "the alarm thread waiting on generation 2's key")
+        assert len(fired) == 1  # it went from generation 0's alarm to 2's without calling back for 1
         master.set(control.keys.alarm(2, "a1"), "1")  # a stranger's alarm: unsigned, ignored
-        assert not event.wait(0.3)
+        err = []
+        until(lambda: err.append(capfd.readouterr().err) or "'alarm/2/a1': not signed" in "".join(err),
+              "the alarm thread naming the unsigned alarm")
+        assert len(fired) == 1 and not event.is_set()  # it read the forgery and waits on
         plane.alarm(2, ["a1"])
         assert event.wait(10) and len(fired) == 2
         hb.watch(3, callback)
-        deadline = time.monotonic() + 10
-        while hb.listening != 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert hb.listening == 3  # blocked on generation 3's key: close must end that wait
+        until(lambda: hb.listening == 3, "the alarm thread waiting on generation 3's key")  # close must end that wait
     finally:
         hb.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("hotspare-")]
@@ -630,7 +742,8 @@ def test_a_workers_alarm_thread_calls_back_for_its_generation_only_and_ends_at_c
 def test_a_beat_looks_for_the_next_plan_only_without_the_alarm_thread(monkeypatch):
     """Each beat is one store write: with the alarm thread (the coordinator alarms every worker
     before it writes a plan) the beat does not also look for plan/<g+1>; with a store passed in
-    (no alarm thread) it does, and fires."""
+    (no alarm thread) it does, and fires. "Does not" is read after two beats written once the
+    plan was there: the first of them looked, if beats look, before the second was written."""
     import threading
 
     import torch.distributed as dist
@@ -646,7 +759,12 @@ def test_a_beat_looks_for_the_next_plan_only_without_the_alarm_thread(monkeypatc
         try:
             hb.watch(0, event.set)
             plane.write_plan(control.Plan(1, 2, {"0": "a0", "1": "a1"}))
-            assert event.wait(0.5 if alarm_thread else 10) is not alarm_thread
+            if alarm_thread:
+                beat = plane.beats("a1")
+                until(lambda: plane.beats("a1") >= beat + 2, "two more beats")
+                assert not event.is_set()
+            else:
+                assert event.wait(10)
         finally:
             hb.close()
             master.delete_key(control.keys.plan(1))

@@ -209,24 +209,41 @@ def test_corrupted_bytes_fail_the_checksum_and_are_never_committed():
 
 @pytest.mark.parametrize("policy", ["wait", "skip"])
 def test_in_flight_policy_is_counted(policy):
+    """Rank 1 holds back its round 1 (and, waiting, its round 2): 'wait' makes steps 2 and 3
+    wait on every rank, 'skip' skips step 2 on every rank. A round is released from what the
+    ranks do, not after a time: once every rank's next step waits for it ('wait'), or before
+    step 3 ('skip')."""
     fabric, holders, mirrors = build(n=2, in_flight=policy)
-    gate = threading.Event()
+    gates = {1: threading.Event(), 2: threading.Event()} if policy == "wait" else {1: threading.Event()}
     send = mirrors[1].transport.send
 
     def slow_send(tensor, dst, tag):
-        if tag == TAG_HEADER and Header.from_tensor(tensor[:HEADER_BYTES].view(torch.int64)).version == 1:
-            gate.wait(5)  # round 1 is still in flight when step 2 ends
+        if tag == TAG_HEADER:
+            gate = gates.get(Header.from_tensor(tensor[:HEADER_BYTES].view(torch.int64)).version)
+            if gate is not None:
+                gate.wait(5)  # the round is still in flight when the next step ends
         return send(tensor, dst, tag)
 
     mirrors[1].transport.send = slow_send
+    if policy == "wait":
+        # A rank's n-th wait is step n+1's (the flush at the end comes after step 3): round n is
+        # released once every rank's n-th wait began (the mirror says so before it waits).
+        waits, lock = {m.rank: 0 for m in mirrors}, threading.Lock()
+        for m in mirrors:
+            def waiting(kind, m=m, **fields):
+                if kind != "mirror_waiting":
+                    return
+                with lock:
+                    waits[m.rank] += 1
+                    if min(waits.values()) in gates:
+                        gates[min(waits.values())].set()
+            m.on_event = waiting
 
     def loop(r):
         for v in (1, 2, 3):
             st = make_state(r, v)
-            if v == 2 and r == 1 and policy == "wait":
-                threading.Timer(0.3, gate.set).start()  # step 2 waits for round 1 until then
             if v == 3 and policy == "skip":
-                gate.set()  # round 1 lands before step 3: step 2, and only it, was skipped
+                gates[1].set()  # round 1 lands before step 3: step 2, and only it, was skipped
                 mirrors[r].flush()
             mirrors[r].on_step(v, lambda: st, dict)
         mirrors[r].flush()
@@ -235,7 +252,7 @@ def test_in_flight_policy_is_counted(policy):
         run_ranks(2, loop)
         for m in mirrors:
             if policy == "wait":
-                assert m.stats.waits >= 1 and m.stats.skips == 0 and m.stats.rounds == 3
+                assert m.stats.waits == 2 and m.stats.skips == 0 and m.stats.rounds == 3
             else:
                 assert m.stats.waits == 0 and m.stats.skips == 1 and m.stats.rounds == 2
             assert m.global_committed == max(m.own_versions) == 3

@@ -44,11 +44,13 @@ def test_breaking_connections_gives_the_peer_eof_and_spares_the_store():
                 s.close()
 
 
-STREAM = """import socket, sys, time
+STREAM = """import socket, sys, threading
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-end, n = time.monotonic() + 0.04, 0
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+n = 0
 try:
-    while time.monotonic() < end:
+    while not stop.is_set():  # until told (or its stdin closes)
         s.sendall(b"y" * 65536)
         n += 65536
 except OSError:
@@ -57,22 +59,31 @@ print(n)
 """
 
 
-def test_a_connection_moving_a_payload_is_shut_down_once_it_drained():
+def until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Return once ``condition()`` holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.001)
+
+
+def test_a_connection_moving_a_payload_is_shut_down_once_it_drained(monkeypatch):
     """``moving``: bytes queued, or data in the last QUIET_MS. The break waits for such a
-    connection (here a payload streamed by another process for 40 ms: every byte arrives), and
-    cuts one that stalled (nobody reads it) after STALL_MS, not at drain_s."""
+    connection (here a payload streamed by another process, told to stop once the break found
+    it moving: every byte arrives), and cuts one that stalled (nobody reads it) after STALL_MS,
+    not at drain_s."""
     import subprocess
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         idle_a, idle_b = _pair(listener)
         stuck_sender, stuck_reader = _pair(listener)
         sender = subprocess.Popen([sys.executable, "-c", STREAM, str(listener.getsockname()[1])],
-                                  stdout=subprocess.PIPE, text=True)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         reader, _ = listener.accept()
         got = []
         try:
-            time.sleep(2 * sockets.QUIET_MS / 1000)  # (the kernel counts the handshake as data received)
-            assert not sockets.moving(idle_a) and not sockets.moving(idle_b)
+            # Quiet once QUIET_MS passed without data (the kernel counts the handshake as data received).
+            until(lambda: not sockets.moving(idle_a) and not sockets.moving(idle_b), "idle connections quiet")
             stuck_sender.sendall(b"x" * 100_000)  # never read
             assert sockets.moving(stuck_reader)
 
@@ -82,13 +93,22 @@ def test_a_connection_moving_a_payload_is_shut_down_once_it_drained():
 
             thread = threading.Thread(target=read)
             thread.start()
-            deadline = time.monotonic() + 30
-            while not got and time.monotonic() < deadline:  # the payload is on the wire
-                time.sleep(0.001)
+            until(lambda: got, "the payload on the wire", timeout_s=30)
+            moving, seen = sockets.moving, []
+
+            def watched(sock):  # the sender streams until the break found its connection moving
+                now = moving(sock)
+                if now and not seen and sock.getpeername() == reader.getpeername():
+                    seen.append(True)
+                    sender.stdin.write("stop\n")
+                    sender.stdin.flush()
+                return now
+
+            monkeypatch.setattr(sockets, "moving", watched)
             broken = break_connections({-1}, drain_s=5.0)
             thread.join(timeout=5)
             stdout, _ = sender.communicate(timeout=30)
-            assert broken.count >= 5
+            assert seen and broken.count >= 5
             # The payload was not cut: every byte arrived. The stalled pair did not hold the break
             # up to the drain's end: nothing was still moving when cut.
             assert int(stdout) == sum(got) > 0 and broken.forced == 0, broken

@@ -184,6 +184,31 @@ class RetainConfig:
 
 
 @dataclass
+class StragglersConfig:
+    """Slow ranks (hotspare.stragglers): each rank's compute time per step (its forward) is
+    compared with its peers'; a rank slower than ``factor`` times their median in each of
+    ``window`` consecutive steps is handed to a ready spare at a step boundary, with no lost
+    iteration. Off by default: a handover spends a spare and a recovery's pause."""
+
+    enabled: bool = False
+    """Detect stragglers and hand them to spares (off: no timing, no handover)."""
+    factor: float = 1.5
+    """How many times its peers' median compute time a rank must take to count as slow (> 1)."""
+    window: int = 5
+    """Consecutive steps a rank must be slow in (2 to 32: one slow step is a pause, not a straggler)."""
+
+    def __post_init__(self) -> None:
+        if not self.factor > 1:
+            raise ConfigError(f"stragglers.factor={self.factor} must be > 1 (a rank as fast as its peers is not slow)")
+        if self.window < 2:
+            raise ConfigError(f"stragglers.window={self.window} must be at least 2: one slow step (a garbage "
+                              f"collection, a checkpoint write) must not hand a rank over")
+        if self.window > 32:
+            raise ConfigError(f"stragglers.window={self.window} must be at most 32 (the compute times a worker "
+                              f"sends with its heartbeat)")
+
+
+@dataclass
 class HotspareConfig:
     """The ``"hotspare"`` section of a DeepSpeed JSON config."""
 
@@ -199,6 +224,8 @@ class HotspareConfig:
     """Persistent checkpoints, the fallback when redundancy is exhausted."""
     retain: RetainConfig = field(default_factory=RetainConfig)
     """Retention in the node's keeper (tier 1, survives a trainer crash)."""
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    """Slow ranks found and handed to spares."""
 
 
 def check_choice(key: str, value: Any, allowed: tuple) -> None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from . import control
+from .stragglers import StragglerWatch
 
 
 UNFIT_STOP = 2
@@ -60,9 +61,9 @@ class Coordinator:
         """Seconds, monotonic: every deadline of the coordinator's is read from it (tests drive one)."""
         self.generation = 0
         """The newest plan's generation."""
-        self._fail_read = 0
-        self._spare_read = 0
-        self._wait_read = 0
+        self._fail_cursor = control.ListCursor(control.keys.FAIL)
+        self._spare_cursor = control.ListCursor(control.keys.SPARE)
+        self._wait_cursor = control.ListCursor(control.keys.WAIT)
         self._spares: list[tuple[str, int]] = []  # registered, not yet promoted
         self._pending: list[control.Failure] = []
         self._pending_since = 0.0
@@ -70,7 +71,7 @@ class Coordinator:
         self._stall_since: float | None = None
         self._killed: set[str] = set()
         self._prepared: dict[int, str] = {}  # rank -> spare told to build its engine
-        self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat, when it last moved)
+        self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat, when it last went up)
         self._lost_nodes: set[int] = set()
         self._waiting_for_spares = False
         self._alarmed: set[int] = set()  # generations whose workers were told that it failed
@@ -81,6 +82,7 @@ class Coordinator:
         self._unfit: dict[str, list[str]] = {}  # message -> spares whose set-up failed so (unfit/<wid>)
         self._scope: dict[str, str] = {}  # ready spare -> control.SPARE_LOCAL or SPARE_ANY (what it said)
         self._homes = {spec.node_of_rank(r) for r in range(world_size)}  # the nodes that hold ranks
+        self.stragglers = StragglerWatch(store, clock, _log)
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -109,9 +111,9 @@ class Coordinator:
         """One look: new spares, failures and reports in; the next generation's plan out when due."""
         self._follow()
         self._check_nodes()
-        spares, self._spare_read = self.store.spares(self._spare_read)
+        spares, _ = self.store.spares(self._spare_cursor)
         self._spares += [(s.worker, s.node) for s in spares]
-        failures, self._fail_read = self.store.failures(self._fail_read)
+        failures, _ = self.store.failures(self._fail_cursor)
         for failure in failures:
             self._failed.add(failure.worker)
             self._spares = [s for s in self._spares if s[0] != failure.worker]
@@ -127,7 +129,7 @@ class Coordinator:
                 self._pending.append(failure)
                 self._prepare(failure.rank, failure.worker)
                 self._alarm()
-        reports, self._wait_read = self.store.waiting(self._wait_read)
+        reports, _ = self.store.waiting(self._wait_cursor)
         for report in reports:
             self._waiting.setdefault(report.generation, {})[report.worker] = report
             if report.generation == self.generation:
@@ -135,6 +137,8 @@ class Coordinator:
         if not self._pending:
             self._find_stalled()
         self._kill_stuck_members()
+        if not self._pending:
+            self.stragglers.look(self._current_plan(), self._can_take)
         if not self._pending or (self.clock() - self._pending_since < self.spec.settle_s
                                  and not self._all_accounted()):
             return
@@ -218,6 +222,11 @@ class Coordinator:
         self.store.send_orders(plan)
         self.generation = g
 
+    @property
+    def _fail_read(self) -> int:
+        """Every ``fail/`` entry below this index was read (a plan's ``failures_read``)."""
+        return self._fail_cursor.next
+
     def _count_takeover(self, failure: control.Failure) -> None:
         """A promoted spare that fails before its generation caught up (rank 0 back at the step the
         failure interrupted, with a step completed: ``caught_up/<g>``) failed its takeover, whether
@@ -266,6 +275,10 @@ class Coordinator:
         prepare = control.Prepare(rank, self.world_size, self.generation + 1, replaces)
         self.store.send_prepare(pick[rank], prepare)
         self.store.wake(pick[rank])
+
+    def _can_take(self, rank: int) -> bool:
+        ready = self._ready_spares()
+        return control.choose_spares({rank: self.spec.node_of_rank(rank)}, ready, self._local_only(ready)) is not None
 
     def _local_only(self, ready: list[tuple[str, int]]) -> set[str]:
         """The ready spares that may take only a rank of their own node (what each said in
@@ -365,7 +378,8 @@ class Coordinator:
                 continue
             beat = self.store.node_beats(n)
             seen = self._node_beats.get(n)
-            if beat > 0 and (seen is None or beat != seen[0]):
+            # Only a beat past the last one counts: a replayed older one (signed) is not news.
+            if beat > 0 and (seen is None or beat > seen[0]):
                 self._node_beats[n] = (beat, now)
             elif seen is not None and now - seen[1] > self.spec.node_timeout_s:
                 self._lose_node(n, now - seen[1])

@@ -94,8 +94,7 @@ class Mirror:
         self._cuts_chunk: int | None = None
         self.transport, self.control = transport, control
         self.in_flight, self.chunk_bytes, self.timeout_s = in_flight, chunk_bytes, timeout_s
-        self.wire = Wire(transport, chunk_bytes, timeout_s)
-        self.pin_memory = pin_memory
+        self.wire, self.pin_memory = Wire(transport, chunk_bytes, timeout_s), pin_memory
         self.on_event = on_event or (lambda kind, **fields: None)
         self.own = Capture(generation, pin_memory, snapshots or (lambda layout: PrivateSnapshots(layout, pin_memory)),
                            self.on_event)
@@ -138,6 +137,7 @@ class Mirror:
             # agreement on the mirror thread, so an idle mirror means every rank's round is done
             # and global_committed is exact.
             t0 = time.perf_counter()
+            self.on_event("mirror_waiting", version=version)  # the step waits for the round before
             self._wait_idle()
             self._raise_if_failed()
             self.stats.waits += 1

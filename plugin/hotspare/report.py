@@ -76,14 +76,20 @@ def recoveries(events: list[dict], faults: list[dict] = ()) -> list[dict]:
         resume = ev["resume"][0]
         decided = (ev["plan"] or ev["takeover"] or [{}])[0]
         sources = sorted({e.get("source", "?") for e in ev["restore"]})
+        failures = decided.get("failures") or []
         out.append({
-            "generation": gen, "version": resume.get("version"), "fault_t": fault_t, "marks": marks,
+            "generation": gen, "version": resume.get("version"), "kind": kind_of(failures), "fault_t": fault_t, "marks": marks,
             "durations": durations, "total": marks["resume"] - start,
-            "replaced": decided.get("replaced") or {}, "failures": decided.get("failures") or [],
+            "replaced": decided.get("replaced") or {}, "failures": failures,
             "failed_at": max((e.get("failed_at", -1) for e in ev["resume"]), default=-1),
             "sources": sources, "fallback": ev["fallback"][0].get("checkpoint") if ev["fallback"] else None,
         })
     return out
+
+
+def kind_of(failures: list[dict]) -> str:
+    """'handover' when every rank the plan replaced left on purpose (a straggler, a drain), else 'failure'."""
+    return "handover" if failures and all(f.get("reason") == "handover" for f in failures) else "failure"
 
 
 def _latest(events: list[dict]) -> float | None:
@@ -100,7 +106,8 @@ def print_recoveries(summaries: list[dict], file=None) -> None:
         who = ", ".join(f"rank {r} -> {w}" for r, w in sorted(s["replaced"].items())) or "no rank replaced"
         why = ", ".join(f"rank {f['rank']} {f['reason']}" for f in s["failures"]) or "failure"
         back = s["failed_at"] - s["version"] if s["failed_at"] >= 0 else None
-        print(f"recovery {s['generation']}: {why}; {who}; resumed at step {s['version']}"
+        print(f"{s.get('kind', 'failure').replace('failure', 'recovery')} {s['generation']}: {why}; {who}; "
+              f"resumed at step {s['version']}"
               + (f" (failed in step {s['failed_at']}: {back} completed step(s) rolled back)" if back is not None else "")
               + (f", from checkpoint {s['fallback']}" if s["fallback"] else f", state from {'/'.join(s['sources'])}"),
               file=file)

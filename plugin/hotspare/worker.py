@@ -4,6 +4,7 @@ See :mod:`hotspare.control` for the keys.
 """
 from __future__ import annotations
 
+import collections
 import faulthandler
 import os
 import sys
@@ -60,6 +61,8 @@ class Heartbeat:
         self._store = control.ControlStore(store if store is not None else store_from_env())
         self._store.start_beating(wid, timeout_s)
         self._beat = 0
+        self._compute: collections.deque = collections.deque(maxlen=COMPUTE_SAMPLES)
+        self._compute_stage: int | None = None  # set by report_compute; None: nothing new to send
         self._lock = threading.Condition()
         self._watching: int | None = None
         self._on_superseded = None
@@ -89,6 +92,19 @@ class Heartbeat:
             self._watching, self._on_superseded = generation, on_superseded
             self._lock.notify_all()
 
+    def report_compute(self, step: int, seconds: float, stage: int = 0) -> None:
+        """Step ``step`` took ``seconds`` of compute (hotspare.stragglers): sent with the next beat."""
+        with self._lock:
+            self._compute.append(control.Sample(step, seconds))
+            self._compute_stage = stage
+
+    def _send_compute(self) -> None:
+        with self._lock:
+            stage, self._compute_stage = self._compute_stage, None
+            samples = list(self._compute)
+        if stage is not None:
+            self._store.report_compute(self.wid, control.Compute(stage, [vars(s) for s in samples]))
+
     def _fire(self, generation: int) -> None:
         with self._lock:
             if self._watching != generation:
@@ -103,6 +119,7 @@ class Heartbeat:
             self._beat += 1
             try:
                 self._store.beat(self.wid, self._beat)
+                self._send_compute()  # a second request, only while stragglers are looked for
                 g = self._watching
                 # With the alarm thread this check is not needed: the coordinator sets every
                 # worker's alarm before it writes a plan. Without it (a store passed in, whose
@@ -150,6 +167,11 @@ class Heartbeat:
             self._store.say_goodbye(self.wid)
         except Exception:  # noqa: BLE001
             pass
+
+
+COMPUTE_SAMPLES = 32
+"""Compute times a worker sends with its beats (the newest): more than any straggler window needs
+between two of the coordinator's looks."""
 
 
 class Shutdown(HotspareError):

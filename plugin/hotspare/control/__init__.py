@@ -10,18 +10,28 @@ from collections.abc import Mapping, Sequence
 
 from . import keys
 from .keys import SPARE_ANY, SPARE_LOCAL, WorkerId, active_id, is_worker_id, parse_worker_id, spare_id
-from .messages import BadMessage, Failure, Kill, Plan, Prepare, Spare, Waiting
-from .store import WAKE_WAIT, ControlStore
+from .messages import BadMessage, Compute, Failure, Handover, Kill, Plan, Prepare, Sample, Spare, StragglerPolicy, Waiting
+from .store import WAKE_WAIT, ControlStore, ListCursor
 
 __all__ = ["keys", "SPARE_ANY", "SPARE_LOCAL", "WorkerId", "active_id", "is_worker_id", "parse_worker_id", "spare_id",
-           "BadMessage", "Failure", "Kill", "Plan", "Prepare", "Spare", "Waiting", "WAKE_WAIT", "ControlStore",
-           "STACKS_SIGNAL", "RECOVERY_POLL_S", "choose_spares"]
+           "BadMessage", "Failure", "Kill", "Plan", "Prepare", "Spare", "Waiting", "WAKE_WAIT", "ControlStore", "ListCursor",
+           "STACKS_SIGNAL", "RECOVERY_POLL_S", "choose_spares", "Compute", "Handover", "Sample", "StragglerPolicy",
+           "HANDOVER_SIGNAL", "HANDED_OVER_EXIT_CODE"]
 
 STACKS_SIGNAL = signal.SIGRTMIN + 3
 """hotspare-run sends it to a worker it is about to kill as stuck: the worker writes every
 thread's Python stack to its stderr (faulthandler, from the signal handler itself, so a thread
 blocked inside C++ is shown too), and the log says where it was stuck. A real-time signal: the
 usual ones (SIGUSR1/2) are a scheduler's to send."""
+
+HANDOVER_SIGNAL = signal.SIGRTMIN + 4
+"""hotspare-run sends it to a worker the coordinator asked to hand over (``handover/<i>``): the
+worker leaves at its next step boundary, once the state of the step it completed is protected
+(hotspare.session.handover)."""
+
+HANDED_OVER_EXIT_CODE = 75
+"""A worker that handed its rank over exits with it; its launcher (which asked) reports the exit as
+a handover, not a failure."""
 
 RECOVERY_POLL_S = 0.005
 """How often a polled wait on a recovery's path looks (the new generation's members; the

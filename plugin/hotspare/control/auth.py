@@ -100,6 +100,12 @@ class Signer:
         message = f"{job_id}\0{key}\0{value}".encode("utf-8", errors="surrogateescape")
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
+    def private_name(self, name: str) -> str:
+        """16 hex digits only holders of the secret can compute for ``name`` in this job: part of
+        the store keys a stranger must not find (the lists' counters and entries)."""
+        message = f"{self.job_id}\0private\0{name}".encode("utf-8", errors="surrogateescape")
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:16]
+
     def sign(self, key: str, value: str, job_id: str | None = None) -> str:
         return f"{_TAG}{self._mac(key, value, self.job_id if job_id is None else job_id)}.{value}"
 

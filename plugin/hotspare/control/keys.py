@@ -5,14 +5,17 @@ generation's prefix, so they survive rebuilds. Only :class:`hotspare.control.Con
 and writes them (a generation's rendezvous keys under ``gen/<g>/`` are
 :mod:`hotspare.generation`'s).
 
-- ``fail/count``, ``fail/<i>``: failures seen by any launcher (a worker exited, or missed its
-  heartbeats and was killed), appended with an atomic counter (:class:`~.messages.Failure`).
-- ``spare/count``, ``spare/<i>``: spares registered by their launchers (:class:`~.messages.Spare`).
+- ``fail/<tag>/count``, ``fail/<tag>/<i>``: failures seen by any launcher (a worker exited, or
+  missed its heartbeats and was killed), appended with an atomic counter
+  (:class:`~.messages.Failure`). ``<tag>`` is derived from the job's secret: a list's keys are
+  names a stranger cannot find (:mod:`.lists`); the public ``fail/count``, ``fail/<i>`` are only
+  looked at to name what a stranger wrote there. The same for the other lists below.
+- ``spare/<tag>/count``, ``spare/<tag>/<i>``: spares registered by their launchers (:class:`~.messages.Spare`).
 - ``ready/<wid>``: set by a spare once it waits for an order (imports done, model built); the
   value says which ranks it can take (:data:`SPARE_ANY`, :data:`SPARE_LOCAL`).
-- ``hb/<wid>``: a worker's heartbeat counter (-1: it said goodbye); ``hb/<wid>/timeout`` its
-  allowed silence in seconds.
-- ``node/<n>/hb``: node n's launcher's heartbeat counter.
+- ``hb/<wid>``: a worker's heartbeat sequence (it only goes up; a goodbye is its negative);
+  ``hb/<wid>/timeout`` its allowed silence in seconds (finite, > 0).
+- ``node/<n>/hb``: node n's launcher's heartbeat sequence (it only goes up).
 - ``plan/<g>``: the coordinator's plan for generation g (:class:`~.messages.Plan`).
 - ``prepare/<wid>``: sent to a spare as soon as a failure is reported (:class:`~.messages.Prepare`):
   build that rank's engine now; the plan that follows gives it that rank.
@@ -27,10 +30,15 @@ and writes them (a generation's rendezvous keys under ``gen/<g>/`` are
   device waits for this.
 - ``abort``: set by a worker that found the job unrecoverable (the message says what was lost);
   every launcher stops its workers and exits with ``launch.ABORT_EXIT_CODE``.
-- ``wait/count``, ``wait/<i>``: a survivor that saw a failure and left its generation says so
+- ``wait/<tag>/count``, ``wait/<tag>/<i>``: a survivor that saw a failure and left its generation says so
   (:class:`~.messages.Waiting`).
-- ``kill/count``, ``kill/<i>``: the coordinator asks a worker's launcher to kill it as hung
+- ``kill/<tag>/count``, ``kill/<tag>/<i>``: the coordinator asks a worker's launcher to kill it as hung
   (:class:`~.messages.Kill`).
+- ``handover/<tag>/count``, ``handover/<tag>/<i>``: the coordinator asks a worker's launcher to
+  hand it over to a spare at its next step boundary (:class:`~.messages.Handover`).
+- ``stragglers``: rank 0's word that the job looks for slow ranks, with the test's parameters
+  (:class:`~.messages.StragglerPolicy`); ``compute/<wid>``: a worker's latest compute times per
+  step (:class:`~.messages.Compute`).
 - ``caught_up/<g>``: set by rank 0 of generation g once training is back at the step the failure
   interrupted; the launchers start the successors of g's promoted spares then.
 - ``trained``: set by rank 0 once the job's first step completed (a failure before it is likely
@@ -47,10 +55,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# The lists' prefixes, and their public counters (a stranger's: the job counts under a private name).
 FAIL_COUNT, FAIL = "fail/count", "fail/"
 SPARE_COUNT, SPARE = "spare/count", "spare/"
 WAIT_COUNT, WAIT = "wait/count", "wait/"
 KILL_COUNT, KILL = "kill/count", "kill/"
+HANDOVER_COUNT, HANDOVER = "handover/count", "handover/"
+STRAGGLERS = "stragglers"
 ABORT = "abort"
 SHUTDOWN = "shutdown"
 TRAINED = "trained"
@@ -86,6 +97,10 @@ def wake(wid: str) -> str:
 
 def heartbeat(wid: str) -> str:
     return f"hb/{wid}"
+
+
+def compute(wid: str) -> str:
+    return f"compute/{wid}"
 
 
 def heartbeat_timeout(wid: str) -> str:

@@ -37,8 +37,9 @@ class Failure:
     """Exit code (negative: killed by that signal)."""
     reason: str
     """'exit' (the process ended), 'heartbeat' (it stopped beating and was killed), 'watchdog'
-    (its peers' collectives timed out waiting for it while it kept beating; killed) or 'node' (its
-    node's launcher stopped beating: the node is down or cut off, and fences itself)."""
+    (its peers' collectives timed out waiting for it while it kept beating; killed), 'node' (its
+    node's launcher stopped beating: the node is down or cut off, and fences itself) or 'handover'
+    (it was asked to hand its rank to a spare, and left at a step boundary: not a failure)."""
     wall_time: float
     """time.time() when the launcher saw it (fault-to-detection is measured from here backwards)."""
     detect_s: float = 0.0
@@ -93,6 +94,43 @@ class Kill:
 
 
 @dataclass
+class Handover:
+    """The coordinator's request that a worker's launcher have it hand its rank to a spare at its
+    next step boundary (``handover/<i>``)."""
+
+    worker: str
+    rank: int
+    cause: str
+    """'straggler' (slower than its peers for the configured window) or 'drain' (an operator's)."""
+    detail: str = ""
+
+
+@dataclass
+class Sample:
+    """One step's compute time of a worker."""
+
+    step: int
+    seconds: float
+
+
+@dataclass
+class Compute:
+    """A worker's latest compute times (``compute/<wid>``), newest last."""
+
+    stage: int
+    """Its peer class: ranks are compared within one (a pipeline stage; 0 without pipelines)."""
+    samples: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class StragglerPolicy:
+    """The straggler test's parameters (``stragglers``; the config's ``stragglers`` section)."""
+
+    factor: float
+    window: int
+
+
+@dataclass
 class Plan:
     """The coordinator's decision for one generation."""
 
@@ -103,13 +141,13 @@ class Plan:
     replaced: dict[str, str] = field(default_factory=dict)
     """Rank -> worker id of the spare that takes it in this generation."""
     failures: list[dict] = field(default_factory=list)
-    """The failures this plan answers (asdict of :class:`Failure`)."""
+    """The failures this plan answers (asdict of :class:`Failure`; each parsed as one)."""
     abort: str = ""
     """Non-empty: the job cannot go on; every worker stops with this message."""
     failures_read: int = 0
-    """How many ``fail/<i>`` entries the coordinator had read when it planned: an entry beyond
-    them is a failure this plan does not answer (the launchers then start their pending
-    successor spares at once)."""
+    """Every ``fail/`` entry below this index had been read when the coordinator planned: one at
+    or past it, signed, for a worker this plan's failures do not name, is a failure the plan does
+    not answer (the launchers then start their pending successor spares at once)."""
 
     def to_json(self) -> str:
         return to_json(self)
@@ -130,11 +168,12 @@ def to_json(message) -> str:
 
 
 _WORKER_FIELDS = {"worker", "replaces"}
+_CHOICES = {"reason": ("exit", "heartbeat", "watchdog", "node", "handover"), "cause": ("straggler", "drain")}
 
 
 def _check(key: str, name: str, value, hint) -> None:
     def bad(what: str):
-        raise BadMessage(key, f"field {name!r} is {value!r}, not {what}")
+        raise BadMessage(key, f"field {name!r} is {value!r}"[:200] + f", not {what}")
 
     origin = typing.get_origin(hint)
     if hint is bool:
@@ -149,8 +188,11 @@ def _check(key: str, name: str, value, hint) -> None:
     elif hint is str:
         if not isinstance(value, str):
             bad("a string")
-        if name in _WORKER_FIELDS and value and not is_worker_id(value):
+        short = name.rsplit(".", 1)[-1]
+        if short in _WORKER_FIELDS and value and not is_worker_id(value):
             bad("a worker id (a<rank> or s<node>.<k>)")
+        if short in _CHOICES and value not in _CHOICES[short]:
+            bad(f"one of {', '.join(map(repr, _CHOICES[short]))}")
     elif origin is dict:
         if not isinstance(value, dict):
             bad("an object")
@@ -164,6 +206,34 @@ def _check(key: str, name: str, value, hint) -> None:
         raise TypeError(f"{name}: no check for {hint}")
 
 
+_ENTRIES = {(Plan, "failures"): Failure, (Compute, "samples"): Sample}
+"""List fields whose every entry is a message of its own (parsed as one, kept as its dict)."""
+
+
+def _from_data(cls, data, key: str, where: str = ""):
+    """``data`` (a JSON value from ``key``) checked as a ``cls``: exactly its fields, each of its
+    type. ``where``: the field that holds it, in a message of its own."""
+    if not isinstance(data, dict):
+        raise BadMessage(key, f"{where or 'value'} is not a JSON object: {str(data)[:80]!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    of = f" in {where}" if where else ""
+    if unknown:
+        raise BadMessage(key, f"unknown field(s) {unknown} for a {cls.__name__}{of}")
+    missing = sorted(n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise BadMessage(key, f"missing field(s) {missing} of a {cls.__name__}{of}")
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+        _check(key, f"{where}.{name}" if where else name, value, hints[name])
+        entry = _ENTRIES.get((cls, name))
+        if entry is not None:
+            for i, item in enumerate(value):
+                _from_data(entry, item, key, f"{name}[{i}]")
+    return cls(**data)
+
+
 def parse(cls, text: str | bytes, key: str):
     """``text`` (from ``key``) as a ``cls``: exactly its fields, each of its type; BadMessage
     naming the key and what is wrong otherwise."""
@@ -173,15 +243,4 @@ def parse(cls, text: str | bytes, key: str):
         raise BadMessage(key, f"not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise BadMessage(key, f"not a JSON object: {str(text)[:80]!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise BadMessage(key, f"unknown field(s) {unknown} for a {cls.__name__}")
-    missing = sorted(n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
-                     and f.default_factory is dataclasses.MISSING)
-    if missing:
-        raise BadMessage(key, f"missing field(s) {missing} of a {cls.__name__}")
-    hints = typing.get_type_hints(cls)
-    for name, value in data.items():
-        _check(key, name, value, hints[name])
-    return cls(**data)
+    return _from_data(cls, data, key)

@@ -2,31 +2,34 @@
 the control store. Nobody else spells a key (:mod:`.keys`) or parses a value (:mod:`.messages`).
 
 Every value the job acts on is signed with the job's secret (:mod:`.auth`); one whose
-signature does not hold reads as absent, and is named once. A list entry that does not parse is
-skipped (named once); one that was counted but never written (its writer died between the two,
-or a stranger moved the counter) is skipped after :data:`HOLE_S`. A single value that does not
-parse raises :class:`~.messages.BadMessage` naming its key. Wake keys are not signed: waking
-a waiter only makes it look again at signed values.
+signature does not hold reads as absent, and is named once. The lists (failures, spares,
+survivors' reports, kill requests) live under names only the job can compute, and are read with a
+cursor that goes past holes (:mod:`.lists`). A single value that does not parse raises
+:class:`~.messages.BadMessage` naming its key. Wake keys are not signed: waking a waiter only
+makes it look again at signed values. Values rewritten over time carry a sequence that only goes
+up (heartbeats): a replayed older one is not new.
 """
 from __future__ import annotations
 
 import datetime
+import math
 import sys
 import time
 from collections.abc import Sequence
 
-from . import keys
+from . import keys, lists
 from .auth import Signer
-from .messages import BadMessage, Failure, Kill, Plan, Prepare, Spare, Waiting, parse, to_json
+from .lists import HOLE_S, ListCursor
+from .messages import (BadMessage, Compute, Failure, Handover, Kill, Plan, Prepare, Spare, StragglerPolicy, Waiting,
+                       parse, to_json)
+
+__all__ = ["WAKE_WAIT", "FORGED_POLL_S", "HOLE_S", "ControlStore", "ListCursor"]
 
 WAKE_WAIT = datetime.timedelta(days=7)
 """A blocking wait that has no end of its own (a spare's on ``wake/<wid>``, a worker's on its
 alarm): without limit in practice, and short of poll()'s 2**31 ms."""
 FORGED_POLL_S = 0.05
 """How often a wait looks again at a key that holds a value not signed by this job."""
-HOLE_S = 2.0
-"""A list index counted but not written for this long is a hole (a writer sets the entry
-microseconds after it counts it): skipped."""
 
 
 def _log(message: str) -> None:
@@ -36,13 +39,19 @@ def _log(message: str) -> None:
 class ControlStore:
     """The control plane's view of a ``torch.distributed.Store`` (``raw``)."""
 
-    def __init__(self, raw, signer: Signer | None = None):
+    def __init__(self, raw, signer: Signer | None = None, clock=time.monotonic):
         self.raw = raw
         self.signer = signer if signer is not None else Signer.from_env()
+        self.clock = clock
+        """Seconds, monotonic: how long a list's holes have waited (tests drive one)."""
         self._named: set[tuple[str, str]] = set()  # (key, problem) said once
-        self._holes: dict[str, float] = {}  # list key -> when it was first found counted but unwritten
+        self._beat_base: dict[str, int] = {}  # worker id -> the sequence its beat count 0 stands for
+        self._beat_last: dict[str, int] = {}  # worker id -> the last sequence this process beat
 
-    def _say_once(self, key: str, problem: str) -> None:
+    def say(self, message: str) -> None:
+        _log(message)
+
+    def say_once(self, key: str, problem: str) -> None:
         if (key, problem) not in self._named:
             self._named.add((key, problem))
             _log(f"control store key {key!r}: {problem}")
@@ -56,7 +65,7 @@ class ControlStore:
     def _open(self, key: str, stored: bytes) -> str | None:
         value = self.signer.open(key, stored)
         if value is None:
-            self._say_once(key, "not signed with this job's secret (another job's, or a stranger's); ignored")
+            self.say_once(key, "not signed with this job's secret (another job's, or a stranger's); ignored")
         return value
 
     def text(self, key: str) -> str | None:
@@ -85,8 +94,8 @@ class ControlStore:
             value = float(text)
         except ValueError:
             value = float("nan")
-        if not value == value or value in (float("inf"), float("-inf")):
-            raise BadMessage(key, f"{text[:80]!r} is not a finite number")
+        if not (math.isfinite(value) and value > 0):
+            raise BadMessage(key, f"{text[:80]!r} is not a finite number > 0")
         return value
 
     def wait(self, key: str, timeout_s: float, what: str) -> str:
@@ -112,65 +121,71 @@ class ControlStore:
             time.sleep(FORGED_POLL_S)
 
     # ---- lists ------------------------------------------------------------------------------
-    def append(self, counter: str, prefix: str, value: str) -> int:
-        """Add ``value`` (signed) as the next entry of the list ``prefix<i>`` counted by ``counter``."""
-        index = self.raw.add(counter, 1) - 1
-        self.put(f"{prefix}{index}", value)
-        return index
+    def append(self, prefix: str, value: str) -> int:
+        """Add ``value`` (signed) as the next entry of the list ``prefix`` (``keys.FAIL``, ...)."""
+        return lists.append(self, prefix, value)
 
-    def _entries(self, counter: str, prefix: str, start: int, cls) -> tuple[list, int]:
-        """The entries ``start ..`` that are fully written, parsed as ``cls``, and the index to
-        read from next. One that is not signed or does not parse is skipped, named once; one
-        counted but not written for :data:`HOLE_S` too."""
-        n = self.raw.add(counter, 0)
-        out = []
-        i = start
-        while i < n:
-            key = f"{prefix}{i}"
-            if not self.raw.check([key]):
-                first = self._holes.setdefault(key, time.monotonic())
-                if time.monotonic() - first < HOLE_S:
-                    break  # counted but not written yet: read it on the next look
-                self._say_once(key, f"counted in {counter!r} but not written for {HOLE_S:g} s; skipped")
-                del self._holes[key]
-                i += 1
-                continue
-            self._holes.pop(key, None)
-            text = self._open(key, self.raw.get(key))
-            if text is not None:
-                try:
-                    out.append(parse(cls, text, key))
-                except BadMessage as exc:
-                    self._say_once(key, f"{str(exc).split(': ', 1)[-1]}; skipped")
-            i += 1
-        return out, i
+    def read(self, cursor: ListCursor) -> list[tuple[int, object]]:
+        """The entries of ``cursor``'s list it has not read yet, signed by this job and parsed,
+        with their indices; holes are gone past (:mod:`.lists`)."""
+        return lists.read(self, cursor, self.clock())
+
+    def _entries(self, prefix: str, start: int | ListCursor) -> tuple[list, int]:
+        """The new entries of list ``prefix`` and the index every entry below is done with. A
+        reader that looks again keeps a :class:`ListCursor`; an int reads once from that index."""
+        cursor = start if isinstance(start, ListCursor) else ListCursor(prefix, scanned=start)
+        assert cursor.prefix == prefix, (cursor.prefix, prefix)
+        return [entry for _, entry in self.read(cursor)], cursor.next
 
     def report_failure(self, failure: Failure) -> int:
-        return self.append(keys.FAIL_COUNT, keys.FAIL, to_json(failure))
+        return self.append(keys.FAIL, to_json(failure))
 
-    def failures(self, start: int) -> tuple[list[Failure], int]:
-        return self._entries(keys.FAIL_COUNT, keys.FAIL, start, Failure)
+    def failures(self, start: int | ListCursor) -> tuple[list[Failure], int]:
+        return self._entries(keys.FAIL, start)
 
     def failure_count(self) -> int:
-        return int(self.raw.add(keys.FAIL_COUNT, 0))
+        """How many failure entries the job counted (its own counter, which only its processes
+        can move). For tests and logs: a decision reads the entries (:meth:`read`), each signed."""
+        return lists.own_count(self, keys.FAIL)
 
     def register_spare(self, wid: str, node: int) -> int:
-        return self.append(keys.SPARE_COUNT, keys.SPARE, to_json(Spare(wid, node)))
+        return self.append(keys.SPARE, to_json(Spare(wid, node)))
 
-    def spares(self, start: int) -> tuple[list[Spare], int]:
-        return self._entries(keys.SPARE_COUNT, keys.SPARE, start, Spare)
+    def spares(self, start: int | ListCursor) -> tuple[list[Spare], int]:
+        return self._entries(keys.SPARE, start)
 
     def report_waiting(self, report: Waiting) -> int:
-        return self.append(keys.WAIT_COUNT, keys.WAIT, to_json(report))
+        return self.append(keys.WAIT, to_json(report))
 
-    def waiting(self, start: int) -> tuple[list[Waiting], int]:
-        return self._entries(keys.WAIT_COUNT, keys.WAIT, start, Waiting)
+    def waiting(self, start: int | ListCursor) -> tuple[list[Waiting], int]:
+        return self._entries(keys.WAIT, start)
 
     def ask_kill(self, wid: str, detect_s: float) -> int:
-        return self.append(keys.KILL_COUNT, keys.KILL, to_json(Kill(wid, detect_s)))
+        return self.append(keys.KILL, to_json(Kill(wid, detect_s)))
 
-    def kills(self, start: int) -> tuple[list[Kill], int]:
-        return self._entries(keys.KILL_COUNT, keys.KILL, start, Kill)
+    def kills(self, start: int | ListCursor) -> tuple[list[Kill], int]:
+        return self._entries(keys.KILL, start)
+
+    def ask_handover(self, order: Handover) -> int:
+        return self.append(keys.HANDOVER, to_json(order))
+
+    def handovers(self, start: int | ListCursor) -> tuple[list[Handover], int]:
+        return self._entries(keys.HANDOVER, start)
+
+    # ---- stragglers -------------------------------------------------------------------------
+    def publish_stragglers(self, policy: StragglerPolicy) -> None:
+        self.put(keys.STRAGGLERS, to_json(policy))
+
+    def stragglers(self) -> StragglerPolicy | None:
+        text = self.text(keys.STRAGGLERS)
+        return None if text is None else parse(StragglerPolicy, text, keys.STRAGGLERS)
+
+    def report_compute(self, wid: str, compute: Compute) -> None:
+        self.put(keys.compute(wid), to_json(compute))
+
+    def compute(self, wid: str) -> Compute | None:
+        text = self.text(keys.compute(wid))
+        return None if text is None else parse(Compute, text, keys.compute(wid))
 
     # ---- plans ------------------------------------------------------------------------------
     def has_plan(self, generation: int) -> bool:
@@ -257,21 +272,33 @@ class ControlStore:
         return None if text is None else text[:2000]
 
     # ---- heartbeats -------------------------------------------------------------------------
+    # A worker's beats carry a sequence that only goes up, even across the Heartbeats one process
+    # makes: the launcher counts a beat only past the last one it counted, so a replayed older
+    # (signed) beat is not news. A goodbye is the negative of its sequence.
     def beat(self, wid: str, count: int) -> None:
-        self.put(keys.heartbeat(wid), str(count))
+        """Beat ``count`` (1, 2, ... after :meth:`start_beating`'s 0) of this process's beats."""
+        sequence = self._beat_base.get(wid, 0) + count
+        self._beat_last[wid] = sequence
+        self.put(keys.heartbeat(wid), str(sequence))
 
     def start_beating(self, wid: str, timeout_s: float) -> None:
         self.put(keys.heartbeat_timeout(wid), str(timeout_s))
+        try:
+            last = self.beats(wid)
+        except BadMessage:
+            last = None
+        self._beat_base[wid] = 0 if last is None else abs(last) + 1
         self.beat(wid, 0)
 
     def say_goodbye(self, wid: str) -> None:
         """Heartbeats end here on purpose (the launcher stops watching them)."""
-        self.beat(wid, -1)
+        self.put(keys.heartbeat(wid), str(-(self._beat_last.get(wid, 0) + 1)))
 
     def beats(self, wid: str) -> int | None:
         return self._int(keys.heartbeat(wid))
 
     def beat_timeout(self, wid: str) -> float | None:
+        """The silence worker ``wid`` allows (finite, > 0; BadMessage naming the key otherwise)."""
         return self._float(keys.heartbeat_timeout(wid))
 
     def beat_node(self, node: int, count: int) -> None:
@@ -279,7 +306,8 @@ class ControlStore:
         self.put(keys.node_heartbeat(node), str(count))
 
     def node_beats(self, node: int) -> int:
-        """Node ``node``'s launcher's last signed beat (0: none yet)."""
+        """Node ``node``'s launcher's last signed beat (0: none yet); a reader counts only one past
+        the last it counted (a replayed older beat is not news)."""
         return self._int(keys.node_heartbeat(node)) or 0
 
     # ---- the job's flags --------------------------------------------------------------------

@@ -17,18 +17,20 @@ The package: :mod:`.spec` (what one launcher starts, checked), :mod:`.cli` (the 
 :mod:`.launcher` (the loop: start, watch, follow plans, end), :mod:`.processes` (a worker's
 process: failing exits seen early, parent-death, stacks, signals), :mod:`.keepers`,
 :mod:`.fencing` (a node's heartbeat to node 0 and fencing), :mod:`.network` (addresses),
-:mod:`.buildlocks` (torch's extension builds).
+:mod:`.buildlocks` (torch's extension builds), :mod:`.exits` (exit codes and the last line).
 """
 from __future__ import annotations
 
-from .buildlocks import STALE_LOCK_S, extensions_root, warn_stale_build_locks
+from .buildlocks import clear_stale_build_locks, extensions_root
 from .cli import main, parse_args
-from .launcher import ABORT_EXIT_CODE, BAD_CONTROL_EXIT_CODE, FENCED_EXIT_CODE, POLL_INTERVAL_S, Launcher, run
+from .exits import ABORT_EXIT_CODE, BAD_CONTROL_EXIT_CODE, BAD_LAUNCH_EXIT_CODE, FENCED_EXIT_CODE
+from .fencing import FENCE_GRACE_S
+from .launcher import POLL_INTERVAL_S, Launcher, run
 from .network import interface_of, listen_socket, route_to
 from .processes import Worker, die_with_parent, dump_stacks
 from .spec import LaunchSpec
 
-__all__ = ["STALE_LOCK_S", "extensions_root", "warn_stale_build_locks", "main", "parse_args", "ABORT_EXIT_CODE",
-           "BAD_CONTROL_EXIT_CODE",
+__all__ = ["clear_stale_build_locks", "extensions_root", "main", "parse_args", "ABORT_EXIT_CODE",
+           "BAD_CONTROL_EXIT_CODE", "BAD_LAUNCH_EXIT_CODE", "FENCE_GRACE_S",
            "FENCED_EXIT_CODE", "POLL_INTERVAL_S", "Launcher", "run", "interface_of", "listen_socket", "route_to",
            "Worker", "die_with_parent", "dump_stacks", "LaunchSpec"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from .exits import BAD_LAUNCH_EXIT_CODE, say_exit, say_unexpected
 from .launcher import run
 from .processes import log
 from .spec import LaunchSpec
@@ -68,14 +69,20 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """hotspare-run. Its last line says the exit code and why, however it ends."""
     try:
-        spec = parse_args(argv)
+        try:
+            spec = parse_args(argv)
+        except SystemExit as exc:  # argparse said what is wrong (or printed --help: exit 0)
+            if exc.code in (0, None):
+                raise
+            say_exit(BAD_LAUNCH_EXIT_CODE, "refused: the command line (argparse's message above)")
+            return BAD_LAUNCH_EXIT_CODE
         spec.validate()
-    except ValueError as exc:
-        log(f"error: {exc}")
-        return 2
-    try:
         return run(spec)
-    except (ValueError, ConnectionError) as exc:  # the store's address, another job's store
+    except (ValueError, ConnectionError) as exc:  # a flag, the store's address, another job's store
         log(f"error: {exc}")
-        return 2
+        say_exit(BAD_LAUNCH_EXIT_CODE, f"refused: {exc}")
+        return BAD_LAUNCH_EXIT_CODE
+    except Exception as exc:  # noqa: BLE001 - anything else: its traceback, then the last line
+        return say_unexpected(exc)

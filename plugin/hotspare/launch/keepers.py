@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 
 from .. import keeper
 from ..coordinator import describe_exit
@@ -34,25 +35,17 @@ class Keepers:
                 log(f"the keeper of node {node} exited ({describe_exit(k.returncode)}): training goes on, but a spare "
                     f"that takes a rank of node {node} gets its state from the peers, not from this node's memory")
 
-    def terminate(self, grace_s: float) -> None:
-        """Fencing: each keeper removes its segments and exits (SIGKILL after ``grace_s``)."""
-        for k in self.procs.values():
-            k.terminate()
-        for k in self.procs.values():
-            try:
-                k.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                k.kill()
-
     def stop(self, grace_s: float) -> None:
-        """After the workers: each keeper removes its segments and exits (SIGKILL after the grace;
-        the next keeper on the node then removes what that one left)."""
+        """After the workers (or when fencing): each keeper removes its segments and exits;
+        SIGKILL to those still there ``grace_s`` after the SIGTERM (one grace for all of them),
+        and this launcher removes what a killed one left."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
+        deadline = time.monotonic() + grace_s
         for node, p in self.procs.items():
             try:
-                p.wait(timeout=grace_s)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log(f"the keeper of node {node} did not stop in {grace_s} s; killing it")
                 p.kill()

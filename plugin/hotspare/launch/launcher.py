@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 
 from .. import control, env
 from ..control import auth
 from ..coordinator import Coordinator, describe_exit
-from .buildlocks import extensions_root, warn_stale_build_locks
-from .fencing import NodeBeat
+from .buildlocks import clear_stale_build_locks, extensions_root
+from .exits import ABORT_EXIT_CODE, BAD_CONTROL_EXIT_CODE, FENCED_EXIT_CODE, UNEXPECTED_EXIT_CODE, plan_exit_code, say_exit
+from .fencing import NodeBeat, fence
 from .keepers import Keepers
 from .network import interface_of, route_to
 from .processes import Worker, dump_stacks, log, pause, signal_group, spawn, worker_env
@@ -21,14 +23,7 @@ from .store import open_store
 from .successors import Successors
 
 POLL_INTERVAL_S = 0.02
-ABORT_EXIT_CODE = 3
-"""Exit code when a worker found the job unrecoverable (``control.ABORT``): state was lost."""
-FENCED_EXIT_CODE = 4
-"""Exit code of a launcher that lost the control store for ``node_timeout_s`` and stopped its
-workers (partitioned from node 0, or node 0 died)."""
-BAD_CONTROL_EXIT_CODE = 5
-"""Exit code of a launcher that read a control value signed by the job but not of the shape its
-key holds (a bug: a stranger's values are ignored, unsigned)."""
+__all__ = ["POLL_INTERVAL_S", "ABORT_EXIT_CODE", "BAD_CONTROL_EXIT_CODE", "FENCED_EXIT_CODE", "Launcher", "run"]
 
 
 class Launcher:
@@ -53,10 +48,14 @@ class Launcher:
         self.workers: dict[str, Worker] = {}
         self.generation = 0
         self.exit_code: int | None = None
+        self.exit_cause = ""
+        """Why the launcher ends with ``exit_code`` (its last line says both)."""
+        self._fencing = threading.Lock()
         self._spare_counter: dict[int, int] = {}
         self._stopping = False
         self._released = False  # spares woken to see "shutdown"
-        self._kill_read = 0
+        self._kill_cursor = control.ListCursor(control.keys.KILL)
+        self._handover_cursor = control.ListCursor(control.keys.HANDOVER)
         self._bad_beats: set[str] = set()  # workers whose heartbeat key held something else (said once)
         self._said_finished: set[int] = set()  # this node's ranks written to finished/<rank>
         self.keepers = Keepers(self.job_id)
@@ -76,17 +75,11 @@ class Launcher:
         return port
 
     def _fence(self, silent_s: float, why: str = "") -> None:
-        """This node lost the control store: stop every worker and keeper of this node, so that
-        nothing acts on a stale view of the job (node 0 has declared this node lost and given its
-        ranks to spares by now), and exit with FENCED_EXIT_CODE."""
-        lost = why or f"for {silent_s:.1f} s (partitioned from node 0, or node 0 is down)"
-        log(f"node {self.spec.node_rank} cannot reach the control store at {self.spec.master_addr}:"
-            f"{self.spec.master_port} {lost}: stopping this node's workers (fenced), exit code {FENCED_EXIT_CODE}")
-        for w in self.workers.values():
-            if w.proc.poll() is None:
-                signal_group(w.proc, signal.SIGKILL)
-        self.keepers.terminate(self.spec.term_grace_s)
-        os._exit(FENCED_EXIT_CODE)
+        """This node lost the control store (:func:`.fencing.fence`; the heartbeat watch thread
+        or the main loop, whichever sees it first)."""
+        if not self._fencing.acquire(blocking=False):
+            threading.Event().wait()  # the other thread is fencing, and exits the process
+        fence(self.spec, self.workers.values(), self.keepers, silent_s, why)
 
     def _advertise(self) -> None:
         """The address this node's workers talk from, and its interface: gloo (and NCCL's
@@ -147,7 +140,7 @@ class Launcher:
     def start(self) -> None:
         if self.spec.script[0] != "-m" and not os.path.isfile(self.spec.script[0]):
             raise ValueError(f"the training script {self.spec.script[0]!r} does not exist (looked from {os.getcwd()})")
-        warn_stale_build_locks(extensions_root({**os.environ, **self.spec.extra_env}))
+        clear_stale_build_locks(extensions_root({**os.environ, **self.spec.extra_env}))
         # Decide DeepSpeed's accelerator once, here, so every worker agrees (DS_ACCELERATOR=cpu
         # when this node has no GPU; a user's own setting is kept).
         env.configure_accelerator()
@@ -200,8 +193,9 @@ class Launcher:
                                   detect_s=detect_s)
         what = f"rank {w.rank}" if w.rank >= 0 else f"spare {w.wid}"
         how = {"exit": describe_exit(code), "heartbeat": f"no heartbeat for {detect_s:.1f} s, killed",
-               "watchdog": f"stuck (its peers' collectives timed out waiting for it; {detect_s:.1f} s), killed"}[reason]
-        log(f"{what} ({w.wid}, node {w.node}) failed: {how}")
+               "watchdog": f"stuck (its peers' collectives timed out waiting for it; {detect_s:.1f} s), killed",
+               "handover": "handed over at a step boundary"}[reason]
+        log(f"{what} ({w.wid}, node {w.node}) {'left' if reason == 'handover' else 'failed'}: {how}")
         self.control.report_failure(failure)
 
     def _gone(self, w: Worker, code: int) -> None:
@@ -215,7 +209,9 @@ class Launcher:
     def _check_heartbeat(self, w: Worker, now: float) -> None:
         try:
             beat = self.control.beats(w.wid)
-            timeout_s = self.control.beat_timeout(w.wid) if beat is not None and w.beat < 0 <= beat else None
+            # Its timeout, read when a new beat (past the last counted) comes while none is set.
+            fresh = beat is not None and beat > w.beat and not w.beat_timeout
+            timeout_s = self.control.beat_timeout(w.wid) if fresh else None
         except control.BadMessage as exc:  # not the worker's own writing: no beat
             if w.wid not in self._bad_beats:
                 self._bad_beats.add(w.wid)
@@ -230,7 +226,7 @@ class Launcher:
     def _watch(self) -> None:
         if not self._stopping:
             self.keepers.watch()
-        kills, self._kill_read = self.control.kills(self._kill_read)
+        kills, _ = self.control.kills(self._kill_cursor)
         for order in kills:
             w = self.workers.get(order.worker)
             if w is not None and not w.done:
@@ -239,6 +235,9 @@ class Launcher:
                 signal_group(w.proc, signal.SIGKILL)
                 w.proc.wait()
                 self._report(w, w.proc.returncode, "watchdog", detect_s=order.detect_s)
+        for order in self.control.handovers(self._handover_cursor)[0]:
+            if order.worker in self.workers:
+                self.workers[order.worker].hand_over(order)
         now = time.monotonic()
         for w in list(self.workers.values()):
             if w.done:
@@ -249,7 +248,7 @@ class Launcher:
                 if early is not None:
                     # Its exit began: report it now, not once its memory is torn down.
                     w.dying = True
-                    self._report(w, early, "exit")
+                    self._report(w, early, w.reason(early))
                 elif not w.dying:
                     self._check_heartbeat(w, now)
             elif w.dying:
@@ -257,7 +256,7 @@ class Launcher:
             elif code == 0 or self._stopping:
                 w.finish()  # done, or stopped by this launcher: nothing to report
             else:
-                self._report(w, code, "exit")
+                self._report(w, code, w.reason(code))
 
     def _follow_plans(self) -> None:
         """Apply every new plan: promoted spares of this node become ranks; start their successors."""
@@ -266,7 +265,10 @@ class Launcher:
             self.generation = plan.generation
             if plan.abort:
                 if self.exit_code is None:
-                    self.exit_code = _plan_exit_code(plan)
+                    self.exit_code = plan_exit_code(plan.failures)
+                    self.exit_cause = f"the job stopped in generation {plan.generation}: {plan.abort}"
+                    if self.spec.node_rank != 0:  # node 0's coordinator said it already
+                        log(f"the coordinator stopped the job: {plan.abort}")
                 return
             for rank, wid in plan.replaced.items():
                 w = self.workers.get(wid)
@@ -289,6 +291,7 @@ class Launcher:
                 log(f"error: {exc}; this launcher cannot follow the job's plans with it: stopping its workers "
                     f"(exit {BAD_CONTROL_EXIT_CODE})")
                 self.exit_code = BAD_CONTROL_EXIT_CODE
+                self.exit_cause = f"a control value signed by the job is not what its key holds (a bug): {exc}"
             except Exception as exc:  # noqa: BLE001 - re-raised unless it is the store lost
                 if self.spec.node_rank == 0 or not _store_lost(exc):
                     raise  # node 0's store is its own: never lost
@@ -297,7 +300,7 @@ class Launcher:
             aborted = self.control.abort_message() if self.exit_code is None else None
             if aborted is not None:
                 log(f"a worker stopped the job: {aborted}")
-                self.exit_code = ABORT_EXIT_CODE
+                self.exit_code, self.exit_cause = ABORT_EXIT_CODE, f"a worker stopped the job: {aborted}"
             if self.exit_code is not None:
                 self.stop()
                 return self.exit_code
@@ -305,7 +308,9 @@ class Launcher:
             self._release_spares()
             if not active and self.spec.spares_only and self._released and \
                     all(w.proc.poll() is not None for w in self.workers.values()):
-                return 0  # a replacement node whose spares were not needed: released at the end
+                # A replacement node whose spares were not needed: released at the end.
+                self.exit_cause = f"training finished; node {self.spec.node_rank}'s spares were not needed"
+                return 0
             if active and all(w.proc.poll() == 0 for w in active) and self._job_finished(active):
                 # Training finished on every rank: release the spares (they wait for an order or this key).
                 self.control.shut_down()
@@ -315,7 +320,7 @@ class Launcher:
                 while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers.values()):
                     time.sleep(POLL_INTERVAL_S)
                 self.stop()
-                log(f"job {self.job_id}: training finished on every rank; exit 0")
+                self.exit_cause = f"job {self.job_id}: training finished on all {self.world_size} ranks"
                 return 0
             self._pause()
 
@@ -368,26 +373,27 @@ def _failed(w: Worker) -> bool:
     return w.dying or (code is not None and code != 0)
 
 
-def _plan_exit_code(plan: control.Plan) -> int:
-    codes = [f["code"] for f in plan.failures] or [1]
-    code = codes[0]
-    return code if code > 0 else 128 - code
-
-
 def run(spec: LaunchSpec) -> int:
-    """Launch, wait, and clean up; SIGINT/SIGTERM stop every worker before returning."""
+    """Launch, wait, and clean up; SIGINT/SIGTERM stop every worker before returning. Its last
+    line says the exit code and why; an exception (a refused spec, or unexpected) propagates once
+    everything stopped, and :func:`.cli.main` prints that line after it."""
     launcher = Launcher(spec)
 
     def on_signal(signum, _frame):
         log(f"received {signal.Signals(signum).name}, stopping workers")
+        launcher.exit_cause = f"received {signal.Signals(signum).name}: stopped every worker"
         launcher.stop(signal.SIGTERM)
         raise SystemExit(128 + signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         launcher.start()
-        return launcher.wait()
+        code = launcher.wait()
+    except SystemExit as exc:  # a signal (on_signal)
+        code = exc.code if isinstance(exc.code, int) else UNEXPECTED_EXIT_CODE
     finally:
         launcher.close()
         for s, h in old.items():
             signal.signal(s, h)
+    say_exit(code, launcher.exit_cause)
+    return code

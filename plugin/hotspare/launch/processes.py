@@ -30,6 +30,7 @@ class Worker:
     done: bool = False
     """Exit handled (reported or accepted)."""
     beat: int = -1
+    """The sequence of the last heartbeat counted (-1: none yet)."""
     beat_seen: float = 0.0
     beat_timeout: float = 0.0
     pidfd: int = -1
@@ -38,6 +39,29 @@ class Worker:
     """/proc/<pid>/stat, open: read for a failing exit that has begun (:func:`exiting_status`)."""
     dying: bool = False
     """Its failing exit began and was reported; the process is still being torn down."""
+    handing_over: bool = False
+    """Asked to hand its rank over (``HANDOVER_SIGNAL`` sent): its exit with
+    ``HANDED_OVER_EXIT_CODE`` is a handover, not a failure."""
+
+    def hand_over(self, order: "control.Handover") -> None:
+        """The coordinator asked: the worker leaves at its next step boundary (hotspare.session.handover)."""
+        if self.done or self.handing_over:
+            return
+        if not signal_caught(self.proc.pid, control.HANDOVER_SIGNAL):
+            # Its loop does not listen (hotspare's steps() not used, or initialize off the main
+            # thread): the signal would kill it mid-step.
+            log(f"rank {order.rank} ({self.wid}) cannot hand its rank over: it does not listen for the handover "
+                f"signal; it stays ({order.cause}: {order.detail})")
+            self.handing_over = True
+            return
+        self.handing_over = True
+        log(f"rank {order.rank} ({self.wid}) hands its rank to a spare at its next step boundary ({order.cause}: "
+            f"{order.detail})")
+        os.kill(self.proc.pid, control.HANDOVER_SIGNAL)
+
+    def reason(self, code: int) -> str:
+        """The reason a worker's exit with ``code`` is reported under."""
+        return "handover" if self.handing_over and code == control.HANDED_OVER_EXIT_CODE else "exit"
 
     def __post_init__(self) -> None:
         if self.pidfd < 0 and hasattr(os, "pidfd_open"):
@@ -56,18 +80,18 @@ class Worker:
         return exiting_status(self.stat_fd) if self.stat_fd >= 0 and not self.dying else None
 
     def heard(self, beat: int | None, timeout_s: float | None, now: float) -> float | None:
-        """Take the heartbeat count the worker wrote last (None: none yet; negative: it said
-        goodbye) and the timeout it asked for at its first beat; the seconds it has been silent
-        when that is past its timeout, else None."""
+        """Take the heartbeat the worker wrote last (None: none yet; its sequence, which only goes
+        up; a goodbye is the negative of its sequence) and the timeout it asked for (read when a
+        beat is counted while none is set); the seconds it has been silent when that is past its
+        timeout, else None. A beat counts only past the last one counted: one replayed from
+        earlier (signed, but old) is not news, so replaying two old beats does not hide a hang."""
         if beat is None:
             return None
-        if beat < 0:
-            self.beat_timeout = 0.0
-            return None
-        if beat != self.beat:
-            if self.beat < 0:
-                self.beat_timeout = timeout_s or 0.0
-            self.beat, self.beat_seen = beat, now
+        sequence = -beat if beat < 0 else beat
+        # A goodbye is written one past the last beat; one at the last beat's sequence is taken too.
+        if sequence > self.beat or (beat < 0 and sequence >= self.beat):
+            self.beat, self.beat_seen = sequence, now
+            self.beat_timeout = 0.0 if beat < 0 else (self.beat_timeout or timeout_s or 0.0)
         elif self.beat_timeout and now - self.beat_seen > self.beat_timeout:
             return now - self.beat_seen
         return None
@@ -135,10 +159,19 @@ STACKS_WAIT_S = 1.0
 
 def signal_pending(pid: int, sig: int) -> bool:
     """``sig`` sent to process ``pid`` and not yet taken by it (``ShdPnd`` of /proc/<pid>/status)."""
+    return _signal_bit(pid, sig, "ShdPnd:")
+
+
+def signal_caught(pid: int, sig: int) -> bool:
+    """Process ``pid`` has a handler for ``sig`` (``SigCgt``): sending it does not end the process."""
+    return _signal_bit(pid, sig, "SigCgt:")
+
+
+def _signal_bit(pid: int, sig: int, field: str) -> bool:
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
-                if line.startswith("ShdPnd:"):
+                if line.startswith(field):
                     return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     except (OSError, ValueError):
         pass

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import math
+import re
 import socket
 from dataclasses import dataclass, field
+
+JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""What a ``--job-id`` may be: it names shared-memory segments and sockets."""
 
 
 @dataclass
@@ -27,7 +31,8 @@ class LaunchSpec:
     spares_per_node: int = 0
     """Standby workers per (logical) node; each can take the place of a failed rank."""
     job_id: str = ""
-    """Job identifier (shared-memory and log names); random when empty."""
+    """Job identifier (shared-memory, socket and log names): 1 to 64 of ``A-Z a-z 0-9 _ . -``;
+    random when empty."""
     store_timeout_s: float = 60.0
     """How long workers wait to reach the store; also the store's own timeout."""
     term_grace_s: float = 10.0
@@ -122,10 +127,15 @@ class LaunchSpec:
             raise ValueError(f"--master-port={self.master_port} is not a port (1-65535; 0: any free one, one node only)")
         if not self.master_addr:
             raise ValueError("--master-addr is empty")
-        try:
-            socket.getaddrinfo(self.master_addr, None)
-        except (OSError, UnicodeError) as exc:
-            raise ValueError(f"--master-addr={self.master_addr!r} does not resolve ({exc})") from None
+        for flag, addr in (("--master-addr", self.master_addr), ("--advertise-addr", self.advertise_addr)):
+            try:
+                if addr:
+                    socket.getaddrinfo(addr, None)
+            except (OSError, UnicodeError) as exc:
+                raise ValueError(f"{flag}={addr!r} does not resolve ({exc})") from None
+        if self.job_id and not JOB_ID.fullmatch(self.job_id):
+            raise ValueError(f"--job-id={self.job_id[:80]!r} must be 1 to 64 of the characters A-Z a-z 0-9 _ . - (it "
+                             f"names the job's shared-memory segments and sockets)")
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node={self.nproc_per_node} must be at least 1")
         if self.spares_only:

@@ -34,6 +34,7 @@ from ..setupguard import SetupGuard
 from ..sockets import DRAIN_S, abort_nccl, break_connections
 from ..worker import Heartbeat
 from . import landing, protection, sources
+from .handover import Handover
 from .landing import CatchUp
 
 
@@ -74,6 +75,8 @@ class Session:
     """This node's keeper (None when retention is off or the process was not started by hotspare-run)."""
     catching_up: CatchUp | None = None
     """Rank 0 after a recovery that replaced a rank, until the new generation caught up."""
+    handover: Handover | None = None
+    """This worker's compute clock and handover flag (:mod:`.handover`; under hotspare-run)."""
     # The session package's own (landing, sources, protection):
     kept: Any = field(default=None, repr=False)
     """The retained segment of the rank this spare took (read by its restore), and its verified versions."""
@@ -155,10 +158,13 @@ class Session:
         """
         self._end_setup()
         while self.step_count() < total:
-            yield self.step_count()
+            step = self.step_count()
+            yield step
             self._note_trained()
             if self.catching_up is not None:
                 self._note_caught_up()
+            if self.handover is not None and self.step_count() > step:
+                self.handover.after_step(step)
 
     def resilient(self, fn: Callable) -> Callable:
         """Decorate the function that runs one training step (all its micro-batches).
@@ -205,12 +211,16 @@ class Session:
     def recover(self, error: BaseException) -> None:
         """A survivor's recovery after ``error``: rebuild in place with the coordinator's plan
         (:func:`.landing.recover`)."""
+        if self.handover is not None:
+            self.handover.interrupted()
         landing.recover(self, error)
 
     def start(self, order=None) -> None:
         """The end of ``initialize``, once the host objects and ``state`` exist: an active rank
         starts protecting its state; a spare (``order``: its :class:`~hotspare.startup.Takeover`)
         joins the survivors' generation and lands with them."""
+        if self.heartbeat is not None:
+            self.handover = Handover(self, self.compute_modules(), self.uncomputable())
         if self.spare:
             landing.join_as_spare(self, order.plan, order.rank, order.t_order)
         elif self.generation.world_size > 1:
@@ -266,6 +276,18 @@ class Session:
         """Every rank's pipeline stage (collective over ``group``), or None without pipelines."""
         return None
 
+    def compute_modules(self) -> list:
+        """The modules whose forward time is this rank's compute time (hotspare.stragglers)."""
+        return []
+
+    def peer_class(self) -> int:
+        """The ranks this one's compute time is compared with share it (a pipeline stage)."""
+        return 0
+
+    def uncomputable(self) -> str | None:
+        """Why this job's compute time cannot be told from its waits (None: it can)."""
+        return None
+
     def close(self) -> None:
         """Stop mirroring, write the queued checkpoints, leave the current generation; call once at
         the end of training."""
@@ -286,6 +308,9 @@ class Session:
                 log(f"rank {self.generation.rank}: a mirror thread of generation {old.generation} is still blocked "
                      f"in a transfer after {old.timeout_s + 5} s")
         self.retired_mirrors = []
+        if self.handover is not None:
+            self.handover.close()
+            self.handover = None
         if self.heartbeat is not None:
             self.heartbeat.close()
             self.heartbeat = None

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import control
+from .. import control, report
 from ..events import log
 from ..generation import Generation, Superseded, join, leave
 from ..mirror import Mirror
@@ -268,7 +268,7 @@ class Landing:
                 s.events("unprotected", version=version, error=str(why)[:500])
         phases["total_s"] = time.monotonic() - self.t0
         summary = {"generation": gen.index, "version": version, "replaced": plan.replaced,
-                   "failures": plan.failures, **phases}
+                   "failures": plan.failures, "kind": report.kind_of(plan.failures), **phases}
         s.recoveries.append(summary)
         if rank == 0 and plan.replaced:
             # A spare taking rank 0 knows no failure step: its first completed step is its mark.

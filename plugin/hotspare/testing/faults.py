@@ -19,9 +19,11 @@ Kinds (:data:`KINDS`) and the phases each applies to (:data:`PHASES_OF`):
   tier is flipped, then the rank is SIGKILLed: ``mirror`` flips what its holders hold (full copies
   or stripe shares, both versions), ``keeper`` what its node's keeper retains. Recovery must find
   it by the checksums and take the other tier.
-- ``slow``: the rank's mirror transfer of that step stalls (``SLOW_S``) past the in-flight window
-  after a few messages, and the rank is SIGKILLed in it: its holders never commit that version.
-  Phase ``mirror`` only.
+- ``slow``: phase ``mirror``: the rank's mirror transfer of that step stalls (``SLOW_S``) past the
+  in-flight window after a few messages, and the rank is SIGKILLed in it: its holders never commit
+  that version. Phase ``forward``, written ``slow@forward:RANK:STEP:FACTOR``: from that step on,
+  each forward of the rank takes FACTOR times as long (it sleeps FACTOR-1 times what its forward
+  computed): a straggler, for the handover (the spare that takes its rank is not slowed).
 
 Phases (:data:`PHASES`): ``forward`` (the forward of micro-batch MICRO), ``backward`` (when the
 gradient reaches the model's first block: the later layers' buckets are reduced already, the rest
@@ -49,7 +51,7 @@ from .. import faults as points
 KINDS = ("kill", "segv", "exception", "hang", "node", "corrupt", "slow")
 PHASES = ("forward", "backward", "step", "mirror", "keeper", "recovery")
 PHASES_OF = {"kill": PHASES, "segv": PHASES, "exception": PHASES, "hang": PHASES, "node": PHASES,
-             "corrupt": ("mirror", "keeper"), "slow": ("mirror",)}
+             "corrupt": ("mirror", "keeper"), "slow": ("mirror", "forward")}
 SPARE = -1
 """``Fault.rank`` of a fault that strikes the process that started as a spare."""
 SLOW_S = 3600.0
@@ -84,6 +86,13 @@ class Fault:
                              f"{', '.join(PHASES_OF[self.kind])})")
         if self.rank < SPARE or self.step < 0 or self.micro < 0:
             raise ValueError(f"fault {self}: rank, step and micro-batch must be >= 0 (rank may be 'spare')")
+        if self.slowdown and self.micro < 2:
+            raise ValueError(f"fault {self}: slow@forward:RANK:STEP:FACTOR needs FACTOR >= 2 (times slower)")
+
+    @property
+    def slowdown(self) -> bool:
+        """A straggler from ``step`` on (``micro`` is its factor), not a one-off strike."""
+        return self.kind == "slow" and self.phase == "forward"
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -183,10 +192,14 @@ class Injector:
 
     # ---- the worker's phase points ------------------------------------------------------------
 
-    def forward(self, step: int, micro: int = 0) -> None:
-        """Before the forward of ``micro``."""
+    def forward(self, step: int, micro: int = 0, module: torch.nn.Module | None = None) -> None:
+        """Before the forward of ``micro`` (of ``module``, the whole model: what a ``slow@forward``
+        fault slows)."""
+        for f in self.faults:
+            if f.slowdown and step >= f.step and f.rank != SPARE and self._targets(f) and module is not None:
+                slow_down(module, f.micro)
         f = self._mine("forward", step, micro)
-        if f is not None:
+        if f is not None and not f.slowdown:
             fire(f.kind)
 
     def backward(self, step: int, micro: int, module: torch.nn.Module) -> None:
@@ -274,6 +287,23 @@ class Injector:
             return send(tensor, dst, tag)
 
         transport.send = send_then_fail
+
+
+def slow_down(module: torch.nn.Module, factor: int) -> None:
+    """Make ``module``'s next forward take ``factor`` times as long: it sleeps ``factor - 1`` times
+    what it computed, before any other forward hook sees it end (a compute clock then counts it)."""
+    started, handles = [], []
+
+    def begin(_module, _args):
+        started.append(time.perf_counter())
+
+    def end(_module, _args, _out):
+        for h in handles:
+            h.remove()
+        time.sleep((factor - 1) * (time.perf_counter() - started[0]))
+
+    handles.append(module.register_forward_pre_hook(begin))
+    handles.append(module.register_forward_hook(end, prepend=True))
 
 
 def threading_kill_after(seconds: float) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ... import accelerator, checkpoint, env, identity
+from ... import accelerator, checkpoint, env, identity, stragglers
 from ...config import split_deepspeed_config, to_mapping
 from ...position import data_hooks
 from ...session import Session
@@ -56,6 +56,12 @@ class DeepSpeedSession(Session):
 
     def step_count(self) -> int:
         return self.engine.global_steps
+
+    def compute_modules(self) -> list:
+        return [self.engine.module]
+
+    def uncomputable(self) -> str | None:
+        return stragglers.measurable(zero_stage=self.engine.zero_optimization_stage())
 
     def interruptible(self) -> list:
         # ZeRO 1/2's forward runs no collective: the blocks of the model check for the alarm

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import checkpoint, rebuild
+from ... import checkpoint, rebuild, stragglers
 from ...events import log
 from ...recovery import RecoveryError
 from ...session import Session
@@ -192,6 +192,19 @@ class MegatronSession(Session):
         from megatron.core import parallel_state as ps
 
         return [self.model, self.optimizer, self.scheduler, ps]
+
+    def compute_modules(self) -> list:
+        return list(self.model)
+
+    def peer_class(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_rank()
+
+    def uncomputable(self) -> str | None:
+        from megatron.core import parallel_state as ps
+
+        return stragglers.measurable(tensor_parallel=ps.get_tensor_model_parallel_world_size())
 
     def stages(self, group) -> list[int]:
         from megatron.core import parallel_state as ps

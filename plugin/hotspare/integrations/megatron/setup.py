@@ -55,8 +55,15 @@ def parse_config(config: Mapping | HotspareConfig | str | None) -> HotspareConfi
     if config is None or isinstance(config, HotspareConfig):
         return config
     if isinstance(config, str):
-        with open(config, encoding="utf-8") as f:
-            config = json.load(f)
+        path = config
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"hotspare config {path}: cannot read it ({exc.strerror})") from None
+        except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+            where = f" at line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+            raise ConfigError(f"hotspare config {path}: not JSON{where} ({getattr(exc, 'msg', exc)})") from None
     if not isinstance(config, Mapping):
         raise ConfigError(f"the hotspare config must be a mapping, a JSON path or a HotspareConfig, got "
                           f"{type(config).__name__}")

@@ -97,7 +97,7 @@ class DeepSpeedRank:
         e = self.engine
         for micro in range(self.accum):
             tokens, targets = sampler.batch(step * self.accum + micro, self.data_rank)
-            inject.forward(step, micro)
+            inject.forward(step, micro, e.module)
             inject.backward(step, micro, self.hf.first_block(e.module))
             loss = self.loss_of(e, tokens, targets)
             e.backward(loss)
@@ -185,7 +185,7 @@ class MegatronRank:
         microbatch = [0]
 
         def forward(data, chunk):
-            inject.forward(step, microbatch[0])
+            inject.forward(step, microbatch[0], chunk)
             inject.backward(step, microbatch[0], chunk.module.decoder.layers[0])
             microbatch[0] += 1
             return self.mcore_gpt.forward_step(data, chunk)

@@ -1,0 +1,192 @@
+"""Slow ranks: the compute clock's per-step forward time and the straggler test (pure)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotspare import stragglers
+from hotspare.config import ConfigError, HotspareConfig, from_mapping
+
+
+def steady(ranks=4, steps=10, seconds=0.1) -> dict:
+    return {r: {s: seconds for s in range(steps)} for r in range(ranks)}
+
+
+def test_a_rank_three_times_slower_for_the_window_is_a_straggler():
+    reports = steady()
+    for s in range(6, 10):
+        reports[2][s] = 0.3
+    found = stragglers.stragglers(reports, {}, factor=1.5, window=4)
+    assert list(found) == [2] and found[2] == pytest.approx(3.0)
+
+
+def test_one_slow_step_of_the_same_size_is_not_a_straggler():
+    reports = steady()
+    reports[1][8] = 0.3  # a garbage collection, a checkpoint write
+    assert stragglers.stragglers(reports, {}, factor=1.5, window=2) == {}
+    reports[1][9] = 0.3  # now two in a row: the window is full
+    assert list(stragglers.stragglers(reports, {}, factor=1.5, window=2)) == [1]
+
+
+def test_only_steps_every_peer_reported_count_and_a_short_history_decides_nothing():
+    reports = steady(steps=3)
+    reports[0] = {s: 0.5 for s in range(3)}
+    reports[3] = {0: 0.1, 1: 0.1}  # rank 3 has not reported step 2 yet
+    assert stragglers.stragglers(reports, {}, factor=1.5, window=3) == {}
+    assert list(stragglers.stragglers(reports, {}, factor=1.5, window=2)) == [0]
+
+
+def test_ranks_are_compared_within_their_peer_class_and_a_class_needs_three():
+    # Two pipeline stages: stage 1 computes twice as long as stage 0 (the loss head), and is not slow.
+    reports = {r: {s: (0.1 if r < 3 else 0.2) for s in range(5)} for r in range(6)}
+    peers = {r: r // 3 for r in range(6)}
+    assert stragglers.stragglers(reports, peers, factor=1.5, window=3) == {}
+    # Compared across stages, the stage that computes more looks slow.
+    assert sorted(stragglers.stragglers(reports, {}, factor=1.5, window=3)) == [3, 4, 5]
+    reports[4] = {s: 0.6 for s in range(5)}
+    assert list(stragglers.stragglers(reports, peers, factor=1.5, window=3)) == [4]
+    two = {0: {0: 0.1, 1: 0.1}, 1: {0: 0.9, 1: 0.9}}
+    assert stragglers.stragglers(two, {}, factor=1.5, window=2) == {}
+
+
+def test_what_cannot_be_measured_is_named():
+    assert stragglers.measurable(zero_stage=2) is None and stragglers.measurable(zero_stage=None) is None
+    assert "ZeRO 3" in stragglers.measurable(zero_stage=3)
+    assert "tensor parallelism" in stragglers.measurable(tensor_parallel=2)
+
+
+class Slow(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_the_clock_sums_the_outermost_forwards_of_a_step_and_ignores_the_rest():
+    ticks = iter(range(100))
+    inner = torch.nn.Linear(2, 2)
+    outer = Slow(inner)
+    clock = stragglers.ComputeClock([outer, inner], clock=lambda: next(ticks))  # one tick per reading
+    outer(torch.ones(2))  # outer 0..3 (inner's own readings are ignored: nested)
+    outer(torch.ones(2))  # second micro-batch: 2 ticks
+    assert clock.take(7) == (7, 2)
+    torch.ones(2) @ torch.ones(2)  # compute outside the forward is not counted
+    assert clock.take(8) is None  # no forward in step 8
+    clock.close()
+    outer(torch.ones(2))
+    assert clock.take(9) is None  # hooks removed
+
+
+class FakeEvent:
+    """An accelerator event stand-in recording when it was recorded (in ms)."""
+    now = 0.0
+
+    def __init__(self):
+        self.t = None
+        self.synced = False
+
+    def record(self):
+        FakeEvent.now += 5.0
+        self.t = FakeEvent.now
+
+    def synchronize(self):
+        self.synced = True
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_on_an_accelerator_a_step_is_read_one_step_later_from_its_events():
+    m = torch.nn.Linear(2, 2)
+    clock = stragglers.ComputeClock([m], events=FakeEvent)
+    m(torch.ones(2))
+    assert clock.take(0) is None  # its events may still be running
+    m(torch.ones(2))
+    assert clock.take(1) == (0, pytest.approx(0.005))
+
+
+def test_the_config_section_is_strict():
+    cfg = from_mapping(HotspareConfig, {"stragglers": {"enabled": True, "factor": 3, "window": 4}})
+    assert (cfg.stragglers.enabled, cfg.stragglers.factor, cfg.stragglers.window) == (True, 3.0, 4)
+    assert HotspareConfig().stragglers.enabled is False
+    for bad, key in (({"factor": 1}, "stragglers.factor"), ({"window": 1}, "stragglers.window"),
+                     ({"factor": float("inf")}, "stragglers.factor"), ({"windw": 3}, "stragglers.windw")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            from_mapping(HotspareConfig, {"stragglers": bad})
+
+
+@pytest.fixture
+def plane():
+    """A signed control store on 127.0.0.1 (a free port) and a stranger's plain client."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hotspare import control, launch
+    from hotspare.control import auth
+
+    listener = launch.listen_socket("127.0.0.1", 0)
+    master = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5), master_listen_fd=listener.fileno())
+    listener.detach()
+    stranger = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    yield SimpleNamespace(store=control.ControlStore(master, auth.Signer(auth.new_secret(), "job-s")),
+                          stranger=stranger)
+
+
+def report(store, wid, seconds, steps=range(4), stage=0):
+    from hotspare import control
+
+    store.report_compute(wid, control.Compute(stage, [{"step": s, "seconds": seconds} for s in steps]))
+
+
+def test_the_coordinator_asks_a_straggler_to_hand_over_only_when_a_spare_can_take_it(plane):
+    from hotspare import control
+
+    now, said = [0.0], []
+    watch = stragglers.StragglerWatch(plane.store, lambda: now[0], said.append)
+    plan = control.Plan(0, 4, {str(r): f"a{r}" for r in range(4)})
+    for r in range(4):
+        report(plane.store, f"a{r}", 0.3 if r == 2 else 0.1)
+    watch.look(plan, lambda rank: True)
+    assert plane.store.handovers(0)[0] == []  # the job did not ask for stragglers (no policy published)
+    plane.store.publish_stragglers(control.StragglerPolicy(factor=2.0, window=3))
+    now[0] += stragglers.LOOK_S
+    watch.look(plan, lambda rank: False)  # no spare can take rank 2: said once, nothing asked
+    now[0] += stragglers.LOOK_S
+    watch.look(plan, lambda rank: False)
+    assert plane.store.handovers(0)[0] == [] and len(said) == 1 and "no ready spare" in said[0]
+    now[0] += stragglers.LOOK_S
+    watch.look(plan, lambda rank: True)
+    [order] = plane.store.handovers(0)[0]
+    assert (order.worker, order.rank, order.cause) == ("a2", 2, "straggler") and "3.0x" in order.detail
+    now[0] += stragglers.LOOK_S
+    watch.look(plan, lambda rank: True)  # one at a time: a2 is still in the plan
+    assert len(plane.store.handovers(0)[0]) == 1
+
+
+def test_a_strangers_compute_times_and_policy_are_not_read(plane):
+    from hotspare import control
+
+    now = [0.0]
+    watch = stragglers.StragglerWatch(plane.store, lambda: now[0], lambda line: None)
+    plan = control.Plan(0, 4, {str(r): f"a{r}" for r in range(4)})
+    plane.stranger.set(control.keys.STRAGGLERS, '{"factor": 1.1, "window": 2}')
+    for r in range(4):
+        plane.stranger.set(control.keys.compute(f"a{r}"), control.messages.to_json(
+            control.Compute(0, [{"step": s, "seconds": 9.0 if r == 0 else 0.1} for s in range(4)])))
+    watch.look(plan, lambda rank: True)
+    assert watch.policy is None and plane.store.handovers(0)[0] == []
+    plane.store.publish_stragglers(control.StragglerPolicy(factor=2.0, window=3))
+    now[0] += stragglers.LOOK_S
+    watch.look(plan, lambda rank: True)
+    assert watch.policy is not None and plane.store.handovers(0)[0] == []  # unsigned times: nobody is slow
+    report(plane.store, "a1", 9.0)
+    for r in (0, 2, 3):
+        report(plane.store, f"a{r}", 0.1)
+    now[0] += stragglers.LOOK_S
+    watch.look(plan, lambda rank: True)
+    assert [o.worker for o in plane.store.handovers(0)[0]] == ["a1"]  # the job's own times are
