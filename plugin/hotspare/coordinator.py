@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from . import control
+from .drain import Drains
 from .stragglers import StragglerWatch
 
 
@@ -82,7 +83,7 @@ class Coordinator:
         self._unfit: dict[str, list[str]] = {}  # message -> spares whose set-up failed so (unfit/<wid>)
         self._scope: dict[str, str] = {}  # ready spare -> control.SPARE_LOCAL or SPARE_ANY (what it said)
         self._homes = {spec.node_of_rank(r) for r in range(world_size)}  # the nodes that hold ranks
-        self.stragglers = StragglerWatch(store, clock, _log)
+        self.stragglers, self.drains = StragglerWatch(store, clock, _log), Drains(store, spec.node_of_rank, _log)
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -138,6 +139,7 @@ class Coordinator:
             self._find_stalled()
         self._kill_stuck_members()
         if not self._pending:
+            self.drains.look(self._current_plan(), self._can_take)
             self.stragglers.look(self._current_plan(), self._can_take)
         if not self._pending or (self.clock() - self._pending_since < self.spec.settle_s
                                  and not self._all_accounted()):
@@ -291,7 +293,8 @@ class Coordinator:
 
     def _ready_spares(self) -> list[tuple[str, int]]:
         """Registered spares that wait for an order (imports done, model built)."""
-        return [s for s in self._spares if s[1] not in self._lost_nodes and self.store.is_ready(s[0])]
+        return [s for s in self._spares if s[1] not in self._lost_nodes and s[1] not in self.drains.nodes
+                and self.store.is_ready(s[0])]
 
     def _find_stalled(self) -> None:
         """Survivors left the current generation but no launcher reported a failure: a rank is stuck

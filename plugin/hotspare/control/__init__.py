@@ -10,12 +10,12 @@ from collections.abc import Mapping, Sequence
 
 from . import keys
 from .keys import SPARE_ANY, SPARE_LOCAL, WorkerId, active_id, is_worker_id, parse_worker_id, spare_id
-from .messages import BadMessage, Compute, Failure, Handover, Kill, Plan, Prepare, Sample, Spare, StragglerPolicy, Waiting
+from .messages import BadMessage, Compute, Drain, Failure, Handover, Kill, Plan, Prepare, Sample, Spare, StragglerPolicy, Waiting
 from .store import WAKE_WAIT, ControlStore, ListCursor
 
 __all__ = ["keys", "SPARE_ANY", "SPARE_LOCAL", "WorkerId", "active_id", "is_worker_id", "parse_worker_id", "spare_id",
            "BadMessage", "Failure", "Kill", "Plan", "Prepare", "Spare", "Waiting", "WAKE_WAIT", "ControlStore", "ListCursor",
-           "STACKS_SIGNAL", "RECOVERY_POLL_S", "choose_spares", "Compute", "Handover", "Sample", "StragglerPolicy",
+           "STACKS_SIGNAL", "RECOVERY_POLL_S", "choose_spares", "Compute", "Drain", "Handover", "Sample", "StragglerPolicy",
            "HANDOVER_SIGNAL", "HANDED_OVER_EXIT_CODE"]
 
 STACKS_SIGNAL = signal.SIGRTMIN + 3

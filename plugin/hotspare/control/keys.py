@@ -36,6 +36,9 @@ and writes them (a generation's rendezvous keys under ``gen/<g>/`` are
   (:class:`~.messages.Kill`).
 - ``handover/<tag>/count``, ``handover/<tag>/<i>``: the coordinator asks a worker's launcher to
   hand it over to a spare at its next step boundary (:class:`~.messages.Handover`).
+- ``drain/<tag>/count``, ``drain/<tag>/<i>``: an operator's ``hotspare-run drain`` asks that every
+  rank on a node move to spares elsewhere (:class:`~.messages.Drain`); ``drained/<n>``: the
+  coordinator's word that no rank of the job runs on node n any more.
 - ``stragglers``: rank 0's word that the job looks for slow ranks, with the test's parameters
   (:class:`~.messages.StragglerPolicy`); ``compute/<wid>``: a worker's latest compute times per
   step (:class:`~.messages.Compute`).
@@ -61,6 +64,7 @@ SPARE_COUNT, SPARE = "spare/count", "spare/"
 WAIT_COUNT, WAIT = "wait/count", "wait/"
 KILL_COUNT, KILL = "kill/count", "kill/"
 HANDOVER_COUNT, HANDOVER = "handover/count", "handover/"
+DRAIN_COUNT, DRAIN = "drain/count", "drain/"
 STRAGGLERS = "stragglers"
 ABORT = "abort"
 SHUTDOWN = "shutdown"
@@ -97,6 +101,10 @@ def wake(wid: str) -> str:
 
 def heartbeat(wid: str) -> str:
     return f"hb/{wid}"
+
+
+def drained(node: int) -> str:
+    return f"drained/{node}"
 
 
 def compute(wid: str) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import keys
-from .messages import BadMessage, Failure, Handover, Kill, Spare, Waiting, parse
+from .messages import BadMessage, Drain, Failure, Handover, Kill, Spare, Waiting, parse
 
 HOLE_S = 2.0
 """A list index counted but not written (or not signed by the job) for this long is a hole:
@@ -33,7 +33,8 @@ holes looked at again (a counter moved far ahead is gone through over several re
 PUBLIC_PEEK = 64
 """A stranger's entries looked at per read: the newest of the public counter's, to name them."""
 
-MESSAGES = {keys.FAIL: Failure, keys.SPARE: Spare, keys.WAIT: Waiting, keys.KILL: Kill, keys.HANDOVER: Handover}
+MESSAGES = {keys.FAIL: Failure, keys.SPARE: Spare, keys.WAIT: Waiting, keys.KILL: Kill, keys.HANDOVER: Handover,
+            keys.DRAIN: Drain}
 """The message each list holds."""
 
 

@@ -106,6 +106,14 @@ class Handover:
 
 
 @dataclass
+class Drain:
+    """An operator's request (``hotspare-run drain``, signed with the job's secret) that every rank
+    on ``node`` move to spares on other nodes (``drain/<i>``)."""
+
+    node: int
+
+
+@dataclass
 class Sample:
     """One step's compute time of a worker."""
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from . import keys, lists
 from .auth import Signer
 from .lists import HOLE_S, ListCursor
-from .messages import (BadMessage, Compute, Failure, Handover, Kill, Plan, Prepare, Spare, StragglerPolicy, Waiting,
-                       parse, to_json)
+from .messages import BadMessage, Failure, Kill, Plan, Prepare, Spare, Waiting, parse, to_json
+from .moves import Moves
 
 __all__ = ["WAKE_WAIT", "FORGED_POLL_S", "HOLE_S", "ControlStore", "ListCursor"]
 
@@ -36,7 +36,7 @@ def _log(message: str) -> None:
     print(f"[hotspare control] {message}", file=sys.stderr, flush=True)
 
 
-class ControlStore:
+class ControlStore(Moves):
     """The control plane's view of a ``torch.distributed.Store`` (``raw``)."""
 
     def __init__(self, raw, signer: Signer | None = None, clock=time.monotonic):
@@ -165,27 +165,6 @@ class ControlStore:
 
     def kills(self, start: int | ListCursor) -> tuple[list[Kill], int]:
         return self._entries(keys.KILL, start)
-
-    def ask_handover(self, order: Handover) -> int:
-        return self.append(keys.HANDOVER, to_json(order))
-
-    def handovers(self, start: int | ListCursor) -> tuple[list[Handover], int]:
-        return self._entries(keys.HANDOVER, start)
-
-    # ---- stragglers -------------------------------------------------------------------------
-    def publish_stragglers(self, policy: StragglerPolicy) -> None:
-        self.put(keys.STRAGGLERS, to_json(policy))
-
-    def stragglers(self) -> StragglerPolicy | None:
-        text = self.text(keys.STRAGGLERS)
-        return None if text is None else parse(StragglerPolicy, text, keys.STRAGGLERS)
-
-    def report_compute(self, wid: str, compute: Compute) -> None:
-        self.put(keys.compute(wid), to_json(compute))
-
-    def compute(self, wid: str) -> Compute | None:
-        text = self.text(keys.compute(wid))
-        return None if text is None else parse(Compute, text, keys.compute(wid))
 
     # ---- plans ------------------------------------------------------------------------------
     def has_plan(self, generation: int) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from .exits import BAD_LAUNCH_EXIT_CODE, say_exit, say_unexpected
 from .launcher import run
@@ -69,7 +70,13 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """hotspare-run. Its last line says the exit code and why, however it ends."""
+    """hotspare-run (``hotspare-run drain ...``: :func:`.draining.main`). Its last line says the
+    exit code and why, however it ends."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["drain"]:
+        from .draining import main as drain
+
+        return drain(args[1:])
     try:
         try:
             spec = parse_args(argv)

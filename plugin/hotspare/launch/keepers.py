@@ -17,6 +17,7 @@ class Keepers:
         self.job_id = job_id
         self.procs: dict[int, subprocess.Popen] = {}  # (logical) node -> its keeper
         self._gone: set[int] = set()  # nodes whose keeper exited while the job ran (said once)
+        self.released: set[int] = set()  # nodes drained: their keeper was stopped on purpose
 
     def __contains__(self, node: int) -> bool:
         return node in self.procs
@@ -30,7 +31,7 @@ class Keepers:
     def watch(self) -> None:
         """Say once that a keeper exited while the job runs."""
         for node, k in self.procs.items():
-            if node not in self._gone and k.poll() is not None:
+            if node not in self._gone and node not in self.released and k.poll() is not None:
                 self._gone.add(node)
                 log(f"the keeper of node {node} exited ({describe_exit(k.returncode)}): training goes on, but a spare "
                     f"that takes a rank of node {node} gets its state from the peers, not from this node's memory")

@@ -13,11 +13,12 @@ from .. import control, env
 from ..control import auth
 from ..coordinator import Coordinator, describe_exit
 from .buildlocks import clear_stale_build_locks, extensions_root
+from .draining import Drained, Orders
 from .exits import ABORT_EXIT_CODE, BAD_CONTROL_EXIT_CODE, FENCED_EXIT_CODE, UNEXPECTED_EXIT_CODE, plan_exit_code, say_exit
 from .fencing import NodeBeat, fence
 from .keepers import Keepers
 from .network import interface_of, route_to
-from .processes import Worker, dump_stacks, log, pause, signal_group, spawn, worker_env
+from .processes import Worker, log, pause, signal_group, spawn, worker_env
 from .spec import LaunchSpec
 from .store import open_store
 from .successors import Successors
@@ -54,8 +55,8 @@ class Launcher:
         self._spare_counter: dict[int, int] = {}
         self._stopping = False
         self._released = False  # spares woken to see "shutdown"
-        self._kill_cursor = control.ListCursor(control.keys.KILL)
-        self._handover_cursor = control.ListCursor(control.keys.HANDOVER)
+        self.orders = Orders()  # the coordinator's kills and handovers for this launcher's workers
+        self.drained = Drained()  # this launcher's nodes that an operator drained (launch/draining.py)
         self._bad_beats: set[str] = set()  # workers whose heartbeat key held something else (said once)
         self._said_finished: set[int] = set()  # this node's ranks written to finished/<rank>
         self.keepers = Keepers(self.job_id)
@@ -184,7 +185,7 @@ class Launcher:
 
     # ---- watching --------------------------------------------------------------------------
 
-    def _report(self, w: Worker, code: int, reason: str, detect_s: float = 0.0) -> None:
+    def report(self, w: Worker, code: int, reason: str, detect_s: float = 0.0) -> None:
         """A failure of ``w`` to the coordinator: gone (then ``exited/<wid>`` too), or ``w.dying``
         (its exit began; ``exited/<wid>`` follows once it is gone, see :meth:`_watch`)."""
         if not w.dying:
@@ -221,23 +222,13 @@ class Launcher:
         if silent is not None:
             signal_group(w.proc, signal.SIGKILL)
             w.proc.wait()
-            self._report(w, w.proc.returncode, "heartbeat", detect_s=silent)
+            self.report(w, w.proc.returncode, "heartbeat", detect_s=silent)
 
     def _watch(self) -> None:
         if not self._stopping:
             self.keepers.watch()
-        kills, _ = self.control.kills(self._kill_cursor)
-        for order in kills:
-            w = self.workers.get(order.worker)
-            if w is not None and not w.done:
-                log(f"worker {w.wid} is stuck; its threads' stacks follow")
-                dump_stacks(w.proc)
-                signal_group(w.proc, signal.SIGKILL)
-                w.proc.wait()
-                self._report(w, w.proc.returncode, "watchdog", detect_s=order.detect_s)
-        for order in self.control.handovers(self._handover_cursor)[0]:
-            if order.worker in self.workers:
-                self.workers[order.worker].hand_over(order)
+            self.drained.look(self)
+        self.orders.carry_out(self)
         now = time.monotonic()
         for w in list(self.workers.values()):
             if w.done:
@@ -248,7 +239,7 @@ class Launcher:
                 if early is not None:
                     # Its exit began: report it now, not once its memory is torn down.
                     w.dying = True
-                    self._report(w, early, w.reason(early))
+                    self.report(w, early, w.reason(early))
                 elif not w.dying:
                     self._check_heartbeat(w, now)
             elif w.dying:
@@ -256,7 +247,7 @@ class Launcher:
             elif code == 0 or self._stopping:
                 w.finish()  # done, or stopped by this launcher: nothing to report
             else:
-                self._report(w, code, w.reason(code))
+                self.report(w, code, w.reason(code))
 
     def _follow_plans(self) -> None:
         """Apply every new plan: promoted spares of this node become ranks; start their successors."""

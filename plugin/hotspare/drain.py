@@ -1,0 +1,63 @@
+"""Draining a node: an operator's ``hotspare-run drain --node N`` (signed with the job's secret,
+like every control message) asks that every rank on logical node N move to spares on other nodes
+without stopping the job (maintenance, a node that misbehaves).
+
+The coordinator (:class:`Drains`, node 0's launcher) stops counting the node's spares as ready,
+asks each rank on it, one at a time, to hand over at its next step boundary (``handover/<i>``,
+cause 'drain': the same path as a straggler's, so no iteration is lost) as soon as a ready spare
+elsewhere can take it, and once no rank of the job runs there says so (``drained/<n>``): the node's launcher then
+stops the node's spares and keeper, and the drain command, waiting on that key, says the node is
+free. A rank no spare can take stays where it is; that is said once, and the drain goes on when
+a spare comes (``hotspare-run --spares-only`` on another node).
+"""
+from __future__ import annotations
+
+from . import control
+
+
+class Drains:
+    """The coordinator's drains: ``store`` its ControlStore, ``node_of_rank`` the launch spec's
+    placement of active ranks, ``log`` its log line."""
+
+    def __init__(self, store, node_of_rank, log):
+        self.store, self.node_of_rank, self.log = store, node_of_rank, log
+        self.nodes: set[int] = set()
+        """Nodes being drained or drained: their spares take no rank."""
+        self._cursor = control.ListCursor(control.keys.DRAIN)
+        self._asked: set[str] = set()
+        self._said: set[str] = set()
+        self._free: set[int] = set()
+
+    def node_of(self, wid: str) -> int:
+        w = control.parse_worker_id(wid)
+        return w.node if w.spare else self.node_of_rank(w.rank)
+
+    def look(self, plan, can_take) -> None:
+        """``plan``: the current generation's; ``can_take(rank)``: whether a ready spare (off the
+        drained nodes) can take ``rank``."""
+        for order in self.store.drains(self._cursor)[0]:
+            if order.node not in self.nodes:
+                self.nodes.add(order.node)
+                self.log(f"drain of node {order.node} asked: its ranks move to spares on other nodes, one step "
+                         f"boundary each; its spares take no rank")
+        # One rank at a time: each takes a spare, and the next may need the successor of that one.
+        moving = any(w in self._asked for w in plan.workers.values())
+        for node in sorted(self.nodes - self._free):
+            on = sorted((int(r), w) for r, w in plan.workers.items() if self.node_of(w) == node)
+            if not on:
+                self._free.add(node)
+                self.store.set_drained(node)
+                self.log(f"node {node} is free: no rank of the job runs there")
+                continue
+            for rank, wid in on:
+                if moving or wid in self._asked:
+                    continue
+                if not can_take(rank):
+                    if wid not in self._said:
+                        self._said.add(wid)
+                        self.log(f"drain of node {node}: no ready spare on another node can take rank {rank} ({wid}); "
+                                 f"it stays until one can")
+                    continue
+                self._asked.add(wid)
+                self.store.ask_handover(control.Handover(wid, rank, "drain", f"node {node} is being drained"))
+                moving = True
