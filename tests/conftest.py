@@ -84,7 +84,7 @@ class _Descendants:
     ``POLL_S``: a keeper lives as long as its job, seconds at least), and the job ids they carry
     (a keeper's ``--job-id``, a worker's HOTSPARE_JOB_ID)."""
 
-    POLL_S = 0.05
+    POLL_S = 0.25
 
     def __init__(self):
         from hotspare import env

@@ -81,3 +81,18 @@ def test_bench_overhead_on_megatron_writes_the_same_keys(tmp_path, no_leaks):
     assert {"baseline_step_s", "mirror_step_s", "overhead", "mirror_bytes_per_step", "tier2_memory_ratio"} <= set(m)
     assert m["tier2_memory_ratio"]["mirror"] == pytest.approx(2.0, rel=0.05)
     assert 11 < m["unique_bytes_per_param"] < 14  # fp32 master + two Adam moments, plus the RNG and counters
+
+
+@pytest.mark.slow
+def test_bench_straggler_writes_its_json(tmp_path, no_leaks):
+    """recipes/bench_straggler.py: the issue's keys, a handover with no lost iteration, bitwise."""
+    out = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "bench_straggler.py"), f"out={out}",
+                           "train.steps=60", "slow_step=10", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert {"steps_per_s_before", "steps_per_s_slow", "steps_per_s_after", "handover_pause_s", "median_step_s",
+            "detect_steps", "lost_iterations", "bitwise_identical"} <= set(r)
+    assert r["handed_over"] and r["lost_iterations"] == 0 and r["bitwise_identical"] is True
+    assert r["detect_steps"] >= 3  # at least the window (stragglers.window=3)

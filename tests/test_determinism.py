@@ -74,6 +74,7 @@ def test_the_recipe_recovers_a_killed_rank_bitwise(zero2_reference, tmp_path, no
     assert [len(r["recoveries"]) for r in got] == [1, 1, 1, 1]
 
 
+@pytest.mark.slow  # make test's budget: the job's worker recovers in test_fault_matrix.py's make-test case
 def test_recipe_trains_through_a_failure_and_loss_falls(tmp_path, no_leaks):
     """What make demo runs (shorter): a spare per logical node, rank 1 killed before step 100;
     the recipe prints the recovery's phases and writes the timeline plot."""

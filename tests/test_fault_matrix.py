@@ -58,6 +58,31 @@ SUBSET = ["zero2/segv@backward:0:3+exception@step:3:5", "zero2/hang@keeper:1:3+c
           "zero2/node@mirror:1:3", "zero2/slow@mirror:3:3", "zero2/kill@forward:1:3+kill@recovery:spare:3"]
 
 
+def run_matrix(tmp_path, cases: list[str]) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "f.json"
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "fault_matrix.py"), f"out={out}", "spares=1",
+                           "train.steps=8", f"cases=[{','.join(cases)}]", f"hydra.run.dir={tmp_path}",
+                           f"docs={tmp_path / 'f.md'}"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+# make test: the kinds no other make-test case injects (tests/test_recover.py has a hung rank, a
+# corrupted keeper copy, a lost node, a failure while a recovery forms); the whole subset below
+# in make slow (the suite's 20-minute budget).
+UNCOVERED = ["zero2/segv@backward:0:3+exception@step:3:5", "zero2/slow@mirror:3:3"]
+
+
+def test_the_fault_kinds_no_other_make_test_case_injects_are_recovered_bitwise(tmp_path, no_leaks):
+    proc, report = run_matrix(tmp_path, UNCOVERED)
+    rows = {r["case"]: r for r in report["rows"]}
+    assert list(rows) == UNCOVERED
+    for case, r in rows.items():
+        assert r["outcome"] == "recovered" and r["bitwise_identical"] is True and r["lost_iterations"] <= 1, (case, r)
+    assert report["summary"]["all_acceptable"] is True and proc.returncode == 0
+
+
+@pytest.mark.slow
 def test_one_case_of_each_fault_kind_ends_acceptably(tmp_path, no_leaks):
     assert {f.split("@")[0] for c in SUBSET for f in c.split("/")[1].split("+")} == set(catalogue.KINDS)
     out = tmp_path / "f.json"

@@ -118,7 +118,7 @@ def test_the_config_section_is_strict():
 
 
 @pytest.fixture
-def plane():
+def plane(tmp_path):
     """A signed control store on 127.0.0.1 (a free port) and a stranger's plain client."""
     import datetime
     from types import SimpleNamespace
@@ -133,8 +133,10 @@ def plane():
                            timeout=datetime.timedelta(seconds=5), master_listen_fd=listener.fileno())
     listener.detach()
     stranger = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=5))
-    yield SimpleNamespace(store=control.ControlStore(master, auth.Signer(auth.new_secret(), "job-s")),
-                          stranger=stranger)
+    secret_file = auth.write_secret_file(str(tmp_path / "job.secret"))
+    store = control.ControlStore(master, auth.Signer(auth.read_secret_file(secret_file), "job-s"))
+    store.publish_job("job-s")
+    yield SimpleNamespace(store=store, stranger=stranger, secret_file=secret_file, port=master.port)
 
 
 def report(store, wid, seconds, steps=range(4), stage=0):
@@ -190,3 +192,39 @@ def test_a_strangers_compute_times_and_policy_are_not_read(plane):
     now[0] += stragglers.LOOK_S
     watch.look(plan, lambda rank: True)
     assert [o.worker for o in plane.store.handovers(0)[0]] == ["a1"]  # the job's own times are
+
+
+def test_a_strangers_handover_and_drain_orders_are_never_read(plane):
+    """Moving a rank is an action: only the job's signed entries count (control/lists.py)."""
+    from hotspare import control
+
+    order = control.messages.to_json(control.Handover("a1", 1, "drain", "forged"))
+    for count, prefix, value in ((control.keys.HANDOVER_COUNT, control.keys.HANDOVER, order),
+                                 (control.keys.DRAIN_COUNT, control.keys.DRAIN, '{"node": 1}')):
+        plane.stranger.add(count, 1)
+        plane.stranger.set(f"{prefix}0", value)
+        plane.stranger.set(f"{prefix}1", value)
+    plane.stranger.set(control.keys.drained(1), "1")
+    assert plane.store.handovers(0)[0] == [] and plane.store.drains(0)[0] == []
+    assert not plane.store.drained(1)
+    plane.store.ask_drain(1)
+    assert [d.node for d in plane.store.drains(0)[0]] == [1]
+
+
+def test_the_drain_command_is_refused_without_the_jobs_secret_or_with_bad_flags(plane, tmp_path, capfd):
+    from hotspare.launch import draining
+
+    def drain(*flags):
+        code = draining.main(["--master-port", str(plane.port), *flags])
+        return code, capfd.readouterr().err.strip().splitlines()[-1]
+
+    from hotspare.control import auth
+
+    mine, theirs = plane.secret_file, auth.write_secret_file(str(tmp_path / "theirs"))
+    code, last = drain("--job-secret-file", str(theirs), "--node", "1", "--wait-s", "0")
+    assert code == 2 and "not signed" in last and plane.store.drains(0)[0] == []
+    code, last = drain("--job-secret-file", str(mine), "--node", "-1")
+    assert code == 2 and "--node -1 must be >= 0" in last
+    code, last = drain("--job-secret-file", str(mine), "--node", "1", "--wait-s", "0")
+    assert code == 0 and "drain of node 1 asked" in last
+    assert [d.node for d in plane.store.drains(0)[0]] == [1]

@@ -335,21 +335,26 @@ def to_mapping(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
+def load_json_file(path: str, what: str):
+    """The JSON document in ``path``; a ConfigError naming ``what``, the file and, when it does not
+    parse, the line and column."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        where = f" at line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ConfigError(f"{what} {path}: not JSON{where} ({getattr(exc, 'msg', exc)})") from None
+
+
 def split_deepspeed_config(ds_config: Mapping[str, Any] | str) -> tuple[dict[str, Any], HotspareConfig | None]:
     """Split a DeepSpeed config (dict or JSON path) into (DeepSpeed part, validated hotspare section).
 
     Returns ``None`` for the section when the config has none: hotspare is then off.
     """
     if isinstance(ds_config, str):
-        path = ds_config
-        try:
-            with open(path, encoding="utf-8") as f:
-                ds_config = json.load(f)
-        except OSError as exc:
-            raise ConfigError(f"DeepSpeed config {path}: cannot read it ({exc.strerror})") from None
-        except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
-            where = f" at line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-            raise ConfigError(f"DeepSpeed config {path}: not JSON{where} ({getattr(exc, 'msg', exc)})") from None
+        ds_config = load_json_file(ds_config, "DeepSpeed config")
     if not isinstance(ds_config, Mapping):
         raise ConfigError(f"DeepSpeed config must be a mapping or a JSON file path, got {type(ds_config).__name__}")
     rest = {k: v for k, v in ds_config.items() if k != DEEPSPEED_SECTION}

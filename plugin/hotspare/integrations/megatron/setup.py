@@ -4,14 +4,13 @@ megatron-core example leads to, named; a spare's warm-up and its build on torch'
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Mapping
 
 import torch
 
 from ... import identity
-from ...config import DEEPSPEED_SECTION, ConfigError, HotspareConfig, from_mapping, to_mapping
+from ...config import DEEPSPEED_SECTION, ConfigError, HotspareConfig, from_mapping, load_json_file, to_mapping
 from ...position import data_hooks
 from ...startup import goodbye_on_error, import_modules
 from ..base import begin, enter, import_host, is_off, require_version
@@ -55,15 +54,7 @@ def parse_config(config: Mapping | HotspareConfig | str | None) -> HotspareConfi
     if config is None or isinstance(config, HotspareConfig):
         return config
     if isinstance(config, str):
-        path = config
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except OSError as exc:
-            raise ConfigError(f"hotspare config {path}: cannot read it ({exc.strerror})") from None
-        except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
-            where = f" at line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-            raise ConfigError(f"hotspare config {path}: not JSON{where} ({getattr(exc, 'msg', exc)})") from None
+        config = load_json_file(config, "hotspare config")
     if not isinstance(config, Mapping):
         raise ConfigError(f"the hotspare config must be a mapping, a JSON path or a HotspareConfig, got "
                           f"{type(config).__name__}")
