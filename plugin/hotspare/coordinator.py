@@ -83,7 +83,7 @@ class Coordinator:
         self._unfit: dict[str, list[str]] = {}  # message -> spares whose set-up failed so (unfit/<wid>)
         self._scope: dict[str, str] = {}  # ready spare -> control.SPARE_LOCAL or SPARE_ANY (what it said)
         self._homes = {spec.node_of_rank(r) for r in range(world_size)}  # the nodes that hold ranks
-        self.stragglers, self.drains = StragglerWatch(store, clock, _log), Drains(store, spec.node_of_rank, _log)
+        self.stragglers, self.drains = StragglerWatch(store, clock, _log), Drains(store, spec.node_of_worker, _log)
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -139,8 +139,8 @@ class Coordinator:
             self._find_stalled()
         self._kill_stuck_members()
         if not self._pending:
-            self.drains.look(self._current_plan(), self._can_take)
-            self.stragglers.look(self._current_plan(), self._can_take)
+            self.drains.look(plan := self._current_plan(), self._can_take)  # ranks moved on purpose
+            self.stragglers.look(plan, self._can_take)
         if not self._pending or (self.clock() - self._pending_since < self.spec.settle_s
                                  and not self._all_accounted()):
             return

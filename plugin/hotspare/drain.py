@@ -16,21 +16,17 @@ from . import control
 
 
 class Drains:
-    """The coordinator's drains: ``store`` its ControlStore, ``node_of_rank`` the launch spec's
-    placement of active ranks, ``log`` its log line."""
+    """The coordinator's drains: ``store`` its ControlStore, ``node_of`` the launch spec's
+    ``node_of_worker``, ``log`` its log line."""
 
-    def __init__(self, store, node_of_rank, log):
-        self.store, self.node_of_rank, self.log = store, node_of_rank, log
+    def __init__(self, store, node_of, log):
+        self.store, self.node_of, self.log = store, node_of, log
         self.nodes: set[int] = set()
         """Nodes being drained or drained: their spares take no rank."""
         self._cursor = control.ListCursor(control.keys.DRAIN)
         self._asked: set[str] = set()
         self._said: set[str] = set()
         self._free: set[int] = set()
-
-    def node_of(self, wid: str) -> int:
-        w = control.parse_worker_id(wid)
-        return w.node if w.spare else self.node_of_rank(w.rank)
 
     def look(self, plan, can_take) -> None:
         """``plan``: the current generation's; ``can_take(rank)``: whether a ready spare (off the

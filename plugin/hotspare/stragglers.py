@@ -30,6 +30,8 @@ import statistics
 import time
 from collections.abc import Hashable, Iterable, Mapping
 
+from . import control
+
 
 def measurable(zero_stage: int | None = None, tensor_parallel: int = 1) -> str | None:
     """Why a job's compute time cannot be told apart from its waits (None: it can)."""
@@ -147,8 +149,6 @@ class StragglerWatch:
 
     def look(self, plan, can_take) -> None:
         """``plan``: the current generation's; ``can_take(rank)``: whether a ready spare can take it."""
-        from . import control
-
         now = self.clock()
         if now < self._next:
             return

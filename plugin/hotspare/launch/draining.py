@@ -6,6 +6,7 @@ job runs there."""
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 
 from .. import control
@@ -26,8 +27,6 @@ class Orders:
         self.handovers = control.ListCursor(control.keys.HANDOVER)
 
     def carry_out(self, launcher) -> None:
-        import signal
-
         for order in launcher.control.kills(self.kills)[0]:
             w = launcher.workers.get(order.worker)
             if w is not None and not w.done:
@@ -63,8 +62,6 @@ class Drained:
 def release(launcher, node: int) -> None:
     """Node ``node`` runs no rank any more: its spares (waiting for an order), their pending
     successors and its keeper end."""
-    import signal
-
     launcher.successors.pending = [s for s in launcher.successors.pending if s.node != node]
     spares = [w for w in launcher.workers.values() if w.node == node and w.rank < 0 and not w.done]
     for w in spares:
