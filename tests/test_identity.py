@@ -41,6 +41,7 @@ def test_a_process_of_another_job_is_refused_at_the_join(store, monkeypatch):
 
 
 def test_a_process_without_the_jobs_secret_is_refused_at_the_join(store, monkeypatch):
+    monkeypatch.setattr(identity, "CHECK_WAIT_S", 0.2)
     control.ControlStore(store, auth.Signer(SECRET, "job-a")).publish_job("job-a")
     monkeypatch.setenv(env.HOTSPARE_JOB_SECRET, auth.new_secret().hex())
     with pytest.raises(identity.JoinRefused, match="not signed with this process's job secret"):
@@ -49,6 +50,40 @@ def test_a_process_without_the_jobs_secret_is_refused_at_the_join(store, monkeyp
     with pytest.raises(identity.JoinRefused, match="HOTSPARE_JOB_SECRET is not set"):
         identity.check_job(store)
     assert not dist.is_initialized()
+
+
+def test_a_job_id_or_fingerprint_a_stranger_wrote_over_is_put_back_and_a_joiner_waits_for_it(store, monkeypatch):
+    """A stranger overwrites job/id and job/fingerprint: node 0's launcher puts the job's back
+    (naming each key once), a process that joins meanwhile looks again instead of being refused,
+    and a process that checked its job once does not read job/id again at later joins (a forged
+    id there once stopped every rank's recovery)."""
+    import threading
+
+    node0 = control.ControlStore(store, auth.Signer(SECRET, "job-a"))
+    node0.publish_job("job-a")
+    identity.check_fingerprint(store, "f00d", "a0")
+    known = node0.guard_identity("job-a", None)
+    assert known == "f00d"
+    store.set(control.keys.JOB_ID, "hs1." + "0" * 64 + ".job-a")
+    store.set(control.keys.FINGERPRINT, "forged")
+    monkeypatch.setenv(env.HOTSPARE_JOB_ID, "job-c")  # a process that has not checked yet
+    def after_a_put_back(check):
+        put_back = threading.Timer(0.5, lambda: node0.guard_identity("job-a", known))
+        put_back.start()
+        try:
+            check()
+        finally:
+            put_back.join()
+
+    with pytest.raises(identity.JoinRefused, match="belongs to job job-c"):  # waited, then read the real id
+        after_a_put_back(lambda: identity.check_job(store))
+    monkeypatch.setenv(env.HOTSPARE_JOB_ID, "job-a")
+    store.set(control.keys.FINGERPRINT, "forged")
+    after_a_put_back(lambda: identity.check_fingerprint(store, "f00d", "s0.0"))  # waited: not refused
+    identity.check_job(store)
+    store.set(control.keys.JOB_ID, "forged")
+    identity.check_job(store)  # checked once: not read again
+    assert node0.guard_identity("job-a", known) == "f00d" and node0.job_id() == "job-a"
 
 
 def test_a_worker_that_runs_something_else_is_refused_naming_both_fingerprints(store, tmp_path):

@@ -57,6 +57,15 @@ def test_a_keeper_serves_segments_and_removes_them_when_stopped(tmp_path, no_lea
     assert proc.returncode == 0 and ours(job) == [] and not os.path.exists(sock)
     with pytest.raises(KeeperError, match="did not answer"):
         KeeperClient(sock, timeout_s=1.0).stats()
+    # A rank whose state changes layout after its keeper died (it was killed at the first step)
+    # trains on with private snapshots, and says so: it once failed the step and stopped the job.
+    from hotspare.slots import PrivateSnapshots
+    from hotspare.snapshot import Layout
+
+    notes = []
+    make = KeeperClient(sock, timeout_s=1.0).snapshots_for(1, 4096, 0, notes.append)
+    assert isinstance(make(Layout([("w", torch.float32, 16)])), PrivateSnapshots)
+    assert "did not answer" in notes[0] and "stay in its own memory" in notes[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the keeper's answer where there is no GPU")

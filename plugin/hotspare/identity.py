@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Mapping
 
 from . import env
@@ -27,6 +28,11 @@ from .control import BadMessage, ControlStore
 from .control.auth import SecretError
 from .errors import FatalError
 
+CHECK_WAIT_S = 3.0
+"""How long a joining process looks again at a job id or fingerprint that does not verify before
+it is refused: a stranger may have written over it, and node 0's launcher puts the job's back
+within a second (:meth:`~.control.ControlStore.guard_identity`)."""
+_confirmed: set[tuple] = set()  # (job id, secret, store) this process checked: a later join need not read again
 
 
 class JoinRefused(FatalError):
@@ -52,34 +58,44 @@ def fingerprint(config: Mapping | None, versions: Mapping[str, str] | None = Non
     return h.hexdigest()[:16]
 
 
+def _verified(read, what: str):
+    """``read()``'s value, looked at again for up to CHECK_WAIT_S while it does not verify; then
+    JoinRefused naming ``what`` and why."""
+    deadline = time.monotonic() + CHECK_WAIT_S
+    while True:
+        try:
+            return read()
+        except (BadMessage, SecretError) as exc:
+            if isinstance(exc, SecretError) or time.monotonic() > deadline:
+                raise JoinRefused(f"{what}: {exc}") from None
+        time.sleep(0.1)
+
+
 def check_job(store) -> None:
     """Refuse to join unless the store's job id is this process's (``HOTSPARE_JOB_ID``), signed
     with this process's job secret; a process not started by hotspare-run (no id) or a store
-    without one is not checked."""
+    without one is not checked. Checked once per process: a later generation's join does not
+    read it again (the job's plans are signed with the same secret)."""
     mine = os.environ.get(env.HOTSPARE_JOB_ID)
-    if not mine or store is None:
+    checked = (mine, os.environ.get(env.HOTSPARE_JOB_SECRET), getattr(store, "host", None),
+               getattr(store, "port", id(store)))
+    if not mine or store is None or checked in _confirmed:
         return
-    try:
-        theirs = ControlStore(store).job_id()
-    except (BadMessage, SecretError) as exc:
-        raise JoinRefused(f"this process (job {mine}) cannot join the job at "
-                          f"{os.environ.get(env.HOTSPARE_STORE_HOST, '?')}:{os.environ.get(env.HOTSPARE_STORE_PORT, '?')}: "
-                          f"{exc}") from None
+    where = f"{os.environ.get(env.HOTSPARE_STORE_HOST, '?')}:{os.environ.get(env.HOTSPARE_STORE_PORT, '?')}"
+    theirs = _verified(lambda: ControlStore(store).job_id(), f"this process (job {mine}) cannot join the job at {where}")
     if theirs is not None and theirs != mine:
-        raise JoinRefused(f"this process belongs to job {mine}, but the control store at "
-                          f"{os.environ.get(env.HOTSPARE_STORE_HOST, '?')}:{os.environ.get(env.HOTSPARE_STORE_PORT, '?')} "
-                          f"serves job {theirs}: it is not joining. Check --master-addr/--master-port (or "
-                          f"--rdzv-endpoint) of its hotspare-run.")
+        raise JoinRefused(f"this process belongs to job {mine}, but the control store at {where} serves job {theirs}: "
+                          f"it is not joining. Check --master-addr/--master-port (or --rdzv-endpoint) of its "
+                          f"hotspare-run.")
+    if theirs is not None:
+        _confirmed.add(checked)
 
 
 def check_fingerprint(store, mine: str, worker: str) -> None:
     """The first worker's fingerprint becomes the job's; refuse any worker whose differs."""
     if store is None:
         return
-    try:
-        theirs = ControlStore(store).claim_fingerprint(mine)
-    except (BadMessage, SecretError) as exc:
-        raise JoinRefused(f"worker {worker} cannot join: {exc}") from None
+    theirs = _verified(lambda: ControlStore(store).claim_fingerprint(mine), f"worker {worker} cannot join")
     if theirs != mine:
         raise JoinRefused(f"worker {worker} runs a different script, config or package version than the job "
                           f"(fingerprint {mine}, the job's {theirs}: over the script's bytes, the config and the "

@@ -86,8 +86,13 @@ class KeeperClient:
         from .retain import RetainedSnapshots
 
         def make(layout):
-            segment, given_up, device_buf = self.open(rank, layout.id, layout.nbytes, chunk_bytes, budget_bytes,
-                                                      device)
+            try:
+                segment, given_up, device_buf = self.open(rank, layout.id, layout.nbytes, chunk_bytes,
+                                                          budget_bytes, device)
+            except KeeperError as exc:  # the keeper died (its launcher said so): train on, without it
+                note(f"{exc}; this rank's snapshots stay in its own memory (a spare gets its state from the "
+                     f"peers' mirrors)")
+                return PrivateSnapshots(layout, pin_memory)
             if given_up:
                 note(given_up)
             if segment is None:

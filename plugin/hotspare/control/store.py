@@ -360,6 +360,24 @@ class ControlStore(Moves):
                                           "job, or the job was started with another --job-secret-file")
         return value
 
+    def guard_identity(self, job_id: str, known: str | None) -> str | None:
+        """Node 0's launcher: put back the job's id and fingerprint where someone else wrote over
+        or removed them (every process that joins later would be refused, naming the key); the
+        fingerprint known so far."""
+        try:
+            lost = self.job_id() is None
+        except BadMessage:
+            lost = True
+        if lost:
+            self.say_once(keys.JOB_ID, "written over or removed by someone else; put back")
+            self.publish_job(job_id)
+        stored = self.raw.get(keys.FINGERPRINT) if self.raw.check([keys.FINGERPRINT]) else None
+        theirs = None if stored is None else self.signer.open(keys.FINGERPRINT, stored)
+        if theirs is None and known is not None:
+            self.say_once(keys.FINGERPRINT, "written over or removed by someone else; put back")
+            self.raw.set(keys.FINGERPRINT, self.signer.sign(keys.FINGERPRINT, known))
+        return theirs or known
+
     def claim_fingerprint(self, mine: str) -> str:
         """The job's fingerprint: ``mine`` if this is the first claim, else the first one's."""
         stored = self.raw.compare_set(keys.FINGERPRINT, "", self.signer.sign(keys.FINGERPRINT, mine))

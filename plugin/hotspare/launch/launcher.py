@@ -62,6 +62,8 @@ class Launcher:
         self.keepers = Keepers(self.job_id)
         self.coordinator: Coordinator | None = None  # node 0 only
         self._node_beat: NodeBeat | None = None  # nodes other than 0
+        self._fingerprint: str | None = None  # node 0: the job's, once a worker claimed it
+        self._identity_due = 0.0
         self.successors = Successors(self.spec.successor_wait_s, lambda: self.control, self._spawn_spare)
 
     @property
@@ -228,6 +230,9 @@ class Launcher:
         if not self._stopping:
             self.keepers.watch()
             self.drained.look(self)
+            if self.coordinator is not None and time.monotonic() >= self._identity_due:
+                self._identity_due = time.monotonic() + 1.0  # put back what a stranger wrote over, within 1 s
+                self._fingerprint = self.control.guard_identity(self.job_id, self._fingerprint)
         self.orders.carry_out(self)
         now = time.monotonic()
         for w in list(self.workers.values()):
