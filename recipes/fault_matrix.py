@@ -43,8 +43,8 @@ from omegaconf import OmegaConf
 from hotspare.config import from_mapping
 from hotspare.testing import job as gpt_job
 from hotspare.testing.harness import Job, count_events, ranks_of, sweep, training_started
-from hotspare.testing.matrix import (ACCEPTABLE, OUTCOMES, SLOW_MBIT, FaultMatrixConfig, classify, describe,
-                                     framework_job, parse_case, product, write_table)
+from hotspare.testing.matrix import (ACCEPTABLE, OUTCOMES, PROBE_KILL_STEP, SLOW_MBIT, FaultMatrixConfig, classify,
+                                     describe, framework_job, parse_case, parse_probe, product, write_table)
 
 MEGATRON_OVERRIDES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "framework",
                                   "megatron.yaml")
@@ -113,6 +113,11 @@ def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_
                     while hosts.host_pids(1) and time.monotonic() < deadline:
                         time.sleep(0.2)
                     info["host1_alive_after_15s"] = len(hosts.host_pids(1))
+            elif fault == "keeper":
+                keepers = launchers[1].keeper_pids()
+                info["keeper_killed"] = bool(keepers)
+                for pid in keepers:
+                    os.kill(pid, signal.SIGKILL)
             elif fault == "node":
                 for pid in hosts.host_pids(1):
                     try:
@@ -137,6 +142,8 @@ def run_on_hosts(job, out_dir: str, spares: int, timeout_s: float, node_timeout_
                 info["host1_exit"] = launcher.proc.wait(timeout=node_timeout_s * 4 + 30)
             except subprocess.TimeoutExpired:
                 info["host1_exit"] = None
+        if fault == "keeper":
+            info["keeper_named"] = any("the keeper of node" in launcher.tail(1 << 30) for launcher in launchers)
         for launcher in launchers:
             if launcher.running():
                 launcher.proc.kill()
@@ -186,8 +193,14 @@ def hosts_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[dict
                        "node 1 fenced (exit 4); nothing of the job alive 15 s after node 0's launcher died" if clean
                        else f"{info['alive_after_15s']} process(es) alive 15 s later, node 1's exit "
                             f"{info.get('host1_exit')}"}
-            elif fault == "blip" and row["outcome"] == "wrong" and row["bitwise_identical"]:
-                row = {**row, "outcome": "unaffected", "note": "the link came back before node 0 gave node 1 up"}
+            elif fault == "launcher1" and info.get("host1_alive_after_15s") != 0:
+                row = {**row, "outcome": "wrong", "note": f"{info.get('host1_alive_after_15s')} process(es) of host 1 "
+                                                          f"alive 15 s after its launcher's SIGKILL"}
+            elif fault == "keeper" and not (info.get("keeper_killed") and info.get("keeper_named")):
+                row = {**row, "outcome": "wrong", "note": "no keeper was killed on host 1, or no launcher said so"}
+            elif fault in ("blip", "keeper") and row["outcome"] == "wrong" and row["bitwise_identical"]:
+                row = {**row, "outcome": "unaffected", "note": "the link came back before node 0 gave node 1 up"
+                       if fault == "blip" else "host 1's keeper's loss named; the job trained on bitwise"}
             info["mirror_waits"] = count_events(os.path.join(out_dir, "events"), "mirror_wait")
             row = {"case": f"hosts/{framework}/{fault}", "fault": f"host_{fault}", "phase": "any",
                    "rank": "host 1", "framework": framework, **row, "seconds": time.monotonic() - t0,
@@ -198,56 +211,55 @@ def hosts_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[dict
     return rows
 
 
-def _forge(store, probe: str, world: int) -> list[str]:
-    """Write ``probe``'s values into the store, unsigned, as a stranger would; the keys written."""
-    from hotspare import control
-    from hotspare.control import keys
+def _probe_verdict(probe: str, row: dict, tail: str, info: dict, kill: bool) -> dict:
+    """A stranger's probe: the job ends bitwise as if nothing happened (``unaffected``), or with
+    the one real failure recovered (``+kill``: ``recovered``, one generation), and every key the
+    job read is named as not signed (``probes.must_name``)."""
+    generations = info.get("generations", [])
+    if kill:
+        ok = row["outcome"] == "recovered" and generations == [1]
+    else:
+        ok = row["outcome"] == "wrong" and row.get("bitwise_identical") and "no recovery took place" in row["note"]
+    said = "counted in" if probe == "hole" else "not signed"
+    missing = [k for k in info.get("must_name", []) if f"control store key {k!r}: {said}" not in tail]
+    refused = probe not in ("second_job", "second_node0") or info.get("intruder_refused")
+    if ok and not missing and refused:
+        what = "recovered the real failure bitwise, one generation" if kill else "finished bitwise as if nothing happened"
+        return {**row, "outcome": "recovered" if kill else "unaffected",
+                "note": what + (f"; {len(info['must_name'])} forged keys named" if info.get("must_name") else "")}
+    why = (f"keys not named: {', '.join(missing)}" if missing else "the intruder was not refused" if not refused
+           else f"{row['outcome']} ({row['note']}), generations {generations}")
+    return {**row, "outcome": "wrong", "note": why}
 
-    def entry(counter: str, prefix: str, value: str) -> str:
-        key = f"{prefix}{store.add(counter, 1) - 1}"
-        store.set(key, value)
-        return key
 
-    live = keys.active_id(world - 1)
-    if probe == "forged_shutdown":
-        store.set(keys.SHUTDOWN, "1")
-        return [keys.SHUTDOWN]
-    if probe == "forged_failure":
-        return [entry(keys.FAIL_COUNT, keys.FAIL, control.messages.to_json(control.Failure(
-            worker=live, rank=world - 1, code=-9, reason="exit", wall_time=time.time())))]
-    if probe == "forged_kill":
-        return [entry(keys.KILL_COUNT, keys.KILL, control.messages.to_json(control.Kill(worker=live)))]
-    if probe == "forged_abort":
-        store.set(keys.ABORT, "forged: state lost")
-        return [keys.ABORT]
-    if probe == "forged_plan":
-        workers = {str(r): keys.active_id(r) for r in range(world)}
-        store.set(keys.plan(1), control.Plan(1, world, workers).to_json())
-        return [keys.plan(1)]
-    if probe == "forged_alarm":
-        names = [keys.alarm(0, keys.active_id(r)) for r in range(world)]
-        store.multi_set(names, ["1"] * world)
-        return names
-    if probe == "malformed":
-        return [entry(c, p, "{not json") for c, p in ((keys.FAIL_COUNT, keys.FAIL), (keys.SPARE_COUNT, keys.SPARE),
-                                                     (keys.WAIT_COUNT, keys.WAIT), (keys.KILL_COUNT, keys.KILL))]
-    if probe == "hole":
-        return [f"{p}{store.add(c, 1) - 1}" for c, p in ((keys.FAIL_COUNT, keys.FAIL), (keys.SPARE_COUNT, keys.SPARE),
-                                                        (keys.WAIT_COUNT, keys.WAIT), (keys.KILL_COUNT, keys.KILL))]
-    raise ValueError(probe)
+def _intrude(probe: str, port: int, out_dir: str) -> dict:
+    """Another hotspare-run with a secret of its own on the job's port: as node 1 of two
+    (second_job), or as a single-node job's node 0 (second_node0). It must exit 2 with one line."""
+    from hotspare.control import auth
+
+    secret = auth.write_secret_file(os.path.join(out_dir, "intruder.secret"))
+    nodes = ["--nnodes", "2", "--node-rank", "1"] if probe == "second_job" else []
+    intruder = subprocess.run([sys.executable, "-m", "hotspare.launch", *nodes, "--master-port", str(port),
+                               "--job-secret-file", secret, gpt_job.WORKER], capture_output=True, text=True,
+                              timeout=120)
+    said = intruder.stderr.strip().splitlines()[-2:] if intruder.stderr else []
+    expected = "not signed" if probe == "second_job" else str(port)
+    return {"intruder_exit": intruder.returncode, "intruder_said": " | ".join(said)[-400:],
+            "intruder_refused": intruder.returncode not in (0, None) and any(expected in line for line in said)}
 
 
 def control_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[dict]:
     """The control-plane probes against the ZeRO 2 job, each in a run of its own, against an
-    uninterrupted run: ``unaffected`` (it finished bitwise as if nothing happened, with no
-    recovery), or for the kills ``stopped_cleanly`` (no process of the job left 15 s later)."""
+    uninterrupted run (see ``_probe_verdict``); for the kills ``stopped_cleanly`` (no process of
+    the job left 15 s later) or the keeper's loss named."""
     import datetime
 
     import torch.distributed as dist
 
-    from hotspare.control import auth
+    from hotspare.testing import probes
 
     world = matrix.parallel.num_ranks
+    target = probes.Target(world, matrix.parallel.logical_nodes)
     job = job_of({**data, "train": {**data["train"], "steps": matrix.control_steps}}, "zero2")
     ref_dir = os.path.join(run_dir, "control-uninterrupted")
     code, tail = run_job(job, ref_dir, 0, matrix.case_timeout_s)
@@ -255,10 +267,12 @@ def control_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[di
     if code != 0 or sorted(ref) != list(range(world)):
         sys.exit(f"fault_matrix: the uninterrupted control-mode run failed (exit {code}):\n{tail}")
     rows = []
-    for probe in matrix.control_probes:
-        out_dir = os.path.join(run_dir, f"control-{probe}")
-        spec = gpt_job.launch_spec(job, out_dir, spares_per_node=1, mode="hotspare")
-        spec.job_id = f"cp{os.getpid()}{probe[:6]}"
+    for n, probe in enumerate(matrix.control_probes):
+        way, families, kill = parse_probe(probe)
+        out_dir = os.path.join(run_dir, f"control{n:02d}")
+        faults = [f"kill@forward:{world - 1}:{PROBE_KILL_STEP}"] if kill else []
+        spec = gpt_job.launch_spec(job, out_dir, spares_per_node=1, mode="hotspare", faults=faults)
+        spec.job_id = f"cp{os.getpid()}n{n}"
         t0 = time.monotonic()
         info: dict = {}
         handle = Job(spec, out_dir)
@@ -268,16 +282,14 @@ def control_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[di
                 time.sleep(0.1)
             info["probe_at_s"] = time.monotonic() - t0
             port = handle.port()
-            if probe.startswith(("forged", "malformed", "hole")):
+            if way in probes.WAYS + ("replay", "hole"):
                 stranger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-                info["keys"] = _forge(stranger, probe, world)
-            elif probe == "second_job":
-                secret = auth.write_secret_file(os.path.join(out_dir, "intruder.secret"))
-                intruder = subprocess.run([sys.executable, "-m", "hotspare.launch", "--nnodes", "2", "--node-rank", "1",
-                                           "--master-port", str(port), "--job-secret-file", secret,
-                                           gpt_job.WORKER], capture_output=True, text=True, timeout=120)
-                info["intruder_exit"] = intruder.returncode
-                info["intruder_said"] = intruder.stderr.strip().splitlines()[-1][-300:] if intruder.stderr else ""
+                written = probes.replay(stranger, target) if way == "replay" else \
+                    probes.holes(stranger) if way == "hole" else probes.write(stranger, way, families, target)
+                info["keys"] = written
+                info["must_name"] = probes.must_name(way, families, kill, written, target)
+            elif probe in ("second_job", "second_node0"):
+                info.update(_intrude(probe, port, out_dir))
             elif probe == "kill_keeper":
                 keepers = handle.keeper_pids()
                 info["keeper_killed"] = bool(keepers)
@@ -296,22 +308,21 @@ def control_mode(matrix: FaultMatrixConfig, data: dict, run_dir: str) -> list[di
         finally:
             handle.stop()
         tail = handle.tail(1 << 30)
-        row = classify(code, tail[-4000:], ranks_of(out_dir), ref, world)
-        if probe == "kill_keeper" and not (info.get("keeper_killed") and "the keeper of node" in tail):
-            row = {**row, "outcome": "wrong", "note": "no keeper was killed, or its launcher did not say so"}
+        ranks = ranks_of(out_dir)
+        info["generations"] = sorted({rec["generation"] for r in ranks.values() for rec in r.get("recoveries", [])})
+        row = classify(code, tail[-4000:], ranks, ref, world)
+        if probe == "kill_keeper":
+            if not (info.get("keeper_killed") and "the keeper of node" in tail):
+                row = {**row, "outcome": "wrong", "note": "no keeper was killed, or its launcher did not say so"}
+            elif row["outcome"] == "wrong" and row.get("bitwise_identical"):
+                row = {**row, "outcome": "unaffected", "note": "its loss named; the job trained on bitwise"}
         elif probe == "kill_launcher":
             clean = info["alive_after_15s"] == 0 and info["alive_before"] > 0
             row = {**row, "outcome": "stopped_cleanly" if clean else "wrong",
                    "note": "nothing of the job alive 15 s after its launcher's SIGKILL" if clean else
                    f"{info['alive_after_15s']} process(es) of the job alive 15 s after its launcher's SIGKILL"}
-        elif row["outcome"] == "wrong" and row.get("bitwise_identical") and "no recovery took place" in row["note"]:
-            said = "counted in" if probe == "hole" else "not signed"
-            named = all(f"control store key {k!r}: {said}" in tail for k in info.get("keys", []))
-            refused = probe != "second_job" or (info["intruder_exit"] == 2 and "not signed" in info["intruder_said"])
-            row = {**row, "outcome": "unaffected" if named and refused else "wrong",
-                   "note": "finished bitwise as if nothing happened" + ("; every forged key named" if info.get("keys")
-                                                                         else "") if named and refused else
-                   "finished, but a forged key was not named or the intruder was not refused"}
+        else:
+            row = _probe_verdict(probe, row, tail, info, kill)
         rows.append({"case": f"control/{probe}", "fault": probe, "phase": "training", "rank": "-",
                      "framework": "zero2", **row, "seconds": time.monotonic() - t0, "exit_code": code,
                      "dir": out_dir, **info})

@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from hotspare import control
+from hotspare.config import ConfigError
 from hotspare.control import auth, keys
 from hotspare.control.messages import parse
 
@@ -196,3 +197,43 @@ def test_the_coordinator_goes_on_past_entries_that_do_not_parse():
         coordinator.step()
         time.sleep(0.01)
     assert plane.plan(1).replaced == {"1": "s0.0"}
+
+
+@pytest.mark.parametrize("way", ["unsigned", "forged", "malformed"])
+def test_what_a_stranger_writes_in_any_key_family_reads_as_absent_and_is_named(plane, capfd, way):
+    """Every key family (probes.FAMILIES, the fault matrix's control probes): a well-formed value
+    with no signature, one signed with another secret under the job's id, or one that looks
+    signed over text that does not parse. The job's own reader of each treats it as absent (a
+    list: no entry) and names the key; none raises but job/id and job/fingerprint, which refuse
+    the joining process."""
+    from hotspare.testing import matrix, probes
+
+    plane.publish_job("job1")
+    t = probes.Target(4)
+    written = dict(zip(probes.FAMILIES, probes.write(plane.raw, way, probes.FAMILIES, t)))
+    capfd.readouterr()
+    absent = {"plan": lambda: plane.has_plan(1), "prepare": lambda: plane.prepare_for(t.spare),
+              "order": lambda: plane.order_for(t.spare), "ready": lambda: plane.ready_scope(t.spare),
+              "hb": lambda: plane.beats(t.live), "hb_timeout": lambda: plane.beat_timeout(t.live),
+              "node_hb": lambda: plane.node_beats(t.node), "alarm": lambda: plane.text(written["alarm"]),
+              "exited": lambda: plane.text(written["exited"]), "abort": plane.abort_message,
+              "shutdown": plane.is_shut_down, "finished": lambda: plane.finished(t.rank), "trained": plane.trained,
+              "caught_up": lambda: plane.caught_up(1), "unfit": lambda: plane.unfit(t.spare),
+              "compute": lambda: plane.compute(t.live), "stragglers": plane.stragglers,
+              "handover": lambda: plane.handovers(0)[0], "drain": lambda: plane.drains(0)[0],
+              "fail": lambda: plane.failures(0)[0], "spare": lambda: plane.spares(0)[0],
+              "wait": lambda: plane.waiting(0)[0], "kill": lambda: plane.kills(0)[0]}
+    assert set(absent) | {"job_id", "fingerprint"} == set(probes.FAMILIES)
+    for family, read in absent.items():
+        assert read() in (None, False, 0, []), family
+    for read in (plane.job_id, lambda: plane.claim_fingerprint("mine")):
+        with pytest.raises(control.BadMessage, match="not signed"):
+            read()
+    err = capfd.readouterr().err
+    named = [k for f, k in written.items() if f not in ("job_id", "fingerprint")]
+    assert all(f"control store key {k!r}: not signed" in err for k in named), err
+    assert matrix.parse_probe(f"{way}:all+kill") == (way, probes.FAMILIES, True)
+    assert matrix.parse_probe(f"{way}:plan/hb") == (way, ("plan", "hb"), False)
+    for bad in (f"{way}:nope", "replay+kill", f"{way}:", "shout"):
+        with pytest.raises(ConfigError, match="control_probes"):
+            matrix.parse_probe(bad)

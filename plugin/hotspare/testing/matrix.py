@@ -17,21 +17,48 @@ from ..config import ConfigError, from_mapping
 from ..launch import ABORT_EXIT_CODE
 from . import faults as catalogue
 from .job import GPTJobConfig
+from .probes import FAMILIES, WAYS
 
 FRAMEWORKS = ("zero1", "zero2", "zero3", "megatron")
-HOST_FAULTS = ("cut", "slow", "node", "blip", "launcher0", "launcher1")
+HOST_FAULTS = ("cut", "slow", "node", "blip", "launcher0", "launcher1", "keeper")
 SLOW_MBIT = 20.0
 """The slow link's rate: a step's collectives and mirror copy take about a second on it."""
 TARGETS = ("first", "middle", "last", "spare")
 OUTCOMES = ("recovered", "fell_back", "stopped_cleanly", "unaffected", "wrong", "hung", "crashed")
 ACCEPTABLE = ("recovered", "fell_back", "stopped_cleanly", "unaffected")
-CONTROL_PROBES = ("forged_shutdown", "forged_failure", "forged_kill", "forged_abort", "forged_plan", "forged_alarm",
-                  "malformed", "hole", "second_job", "kill_keeper", "kill_launcher")
-"""forged_*: a plain TCPStore client writes that message, unsigned, for a live rank; malformed: a
-value that is not JSON in each list family (fail, spare, wait, kill); hole: each list's counter
-moved with no entry written; second_job: another hotspare-run (another secret) joins as node 1;
-kill_keeper: node 0's keeper SIGKILLed; kill_launcher: hotspare-run SIGKILLed (nothing of the job
-may be alive 15 s later)."""
+CONTROL_PROBES = ("unsigned:all", "forged:all", "malformed:all", "forged:all+kill", "malformed:all+kill", "replay",
+                  "hole", "second_job", "second_node0", "kill_keeper", "kill_launcher")
+"""A stranger on the store's port (:mod:`.probes`): ``WAY:FAMILIES[+kill]`` writes into key
+families (``all``, or one of probes.FAMILIES, ``/``-separated) a well-formed value with no
+signature (unsigned), one signed with the stranger's own secret (forged), or one that looks signed
+over text that does not parse (malformed); ``+kill`` then SIGKILLs the last rank, so that the
+values read only during a recovery are read. replay: the job's own signed values copied back later
+or under other names. hole: each list's public counter moved with no entry written. second_job:
+another hotspare-run (another secret) joins as node 1; second_node0: another single-node
+hotspare-run on the same port. kill_keeper: node 0's keeper SIGKILLed; kill_launcher:
+hotspare-run SIGKILLed (nothing of the job may be alive 15 s later)."""
+PROBE_KILL_STEP = 20
+"""The step before whose forward a ``+kill`` probe kills the last rank (the probe lands at the
+first step; control_steps is 40)."""
+
+
+def parse_probe(text: str) -> tuple[str, tuple[str, ...], bool]:
+    """``WAY:FAMILIES[+kill]`` -> (way, families, kill); ('replay', (), False) and the like for
+    the named probes; ConfigError naming the text otherwise."""
+    body, kill = (text[:-5], True) if text.endswith("+kill") else (text, False)
+    if ":" not in body:
+        if body not in CONTROL_PROBES or kill:
+            raise ConfigError(f"control_probes: {text!r} is not WAY:FAMILIES[+kill] (WAY one of "
+                              f"{', '.join(WAYS)}) nor one of {', '.join(p for p in CONTROL_PROBES if ':' not in p)}")
+        return body, (), False
+    way, _, names = body.partition(":")
+    families = FAMILIES if names == "all" else tuple(names.split("/"))
+    bad = [f for f in families if f not in FAMILIES]
+    if way not in WAYS or bad or not families:
+        raise ConfigError(f"control_probes: {text!r}: WAY is one of {', '.join(WAYS)} and FAMILIES 'all' or "
+                          f"'/'-separated names of {', '.join(FAMILIES)}")
+    return way, families, kill
+
 
 @dataclass
 class FaultMatrixConfig(GPTJobConfig):
@@ -66,7 +93,8 @@ class FaultMatrixConfig(GPTJobConfig):
     miss the in-flight window, then a rank of it killed), node (every process of host 1 killed),
     blip (host 1's link down for half of ``node_timeout_s``, then back), launcher0 / launcher1
     (SIGKILL of that host's hotspare-run alone: nothing of the job may be alive 15 s later after
-    node 0's, and node 1's ranks are replaced like a lost node's after node 1's)."""
+    node 0's; after node 1's, nothing of host 1 may be alive 15 s later and its ranks are replaced
+    like a lost node's), keeper (host 1's keeper SIGKILLed: named, the job trains on)."""
     host_fault_after_s: float = 4.0
     """Seconds after training started that the host fault strikes."""
     node_timeout_s: float = 3.0
@@ -90,8 +118,7 @@ class FaultMatrixConfig(GPTJobConfig):
         for case in self.cases:
             parse_case(case)
         for p in self.control_probes:
-            if p not in CONTROL_PROBES:
-                raise ConfigError(f"control_probes: {p!r} is not one of {', '.join(CONTROL_PROBES)}")
+            parse_probe(p)
         for f in self.host_faults:
             if f not in HOST_FAULTS:
                 raise ConfigError(f"host_faults: {f!r} is not one of {', '.join(HOST_FAULTS)}")
