@@ -221,6 +221,7 @@ def test_what_a_stranger_writes_in_any_key_family_reads_as_absent_and_is_named(p
               "caught_up": lambda: plane.caught_up(1), "unfit": lambda: plane.unfit(t.spare),
               "compute": lambda: plane.compute(t.live), "stragglers": plane.stragglers,
               "handover": lambda: plane.handovers(0)[0], "drain": lambda: plane.drains(0)[0],
+              "drained": lambda: plane.drained(t.node), "moved": lambda: plane.moved(t.rank),
               "fail": lambda: plane.failures(0)[0], "spare": lambda: plane.spares(0)[0],
               "wait": lambda: plane.waiting(0)[0], "kill": lambda: plane.kills(0)[0]}
     assert set(absent) | {"job_id", "fingerprint"} == set(probes.FAMILIES)

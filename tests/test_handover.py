@@ -41,7 +41,7 @@ def test_a_rank_slowed_three_times_is_handed_to_a_spare_bitwise_with_no_lost_ite
 
 
 @pytest.mark.slow  # about 90 s (make test's budget)
-def test_a_drained_node_moves_both_its_ranks_to_spares_elsewhere_bitwise_and_ends_its_processes(tmp_path,
+def test_a_drained_rank_then_its_node_move_to_spares_elsewhere_bitwise_and_the_node_ends_its_processes(tmp_path,
                                                                                                 no_leaks):
     import subprocess
     import sys
@@ -62,6 +62,11 @@ def test_a_drained_node_moves_both_its_ranks_to_spares_elsewhere_bitwise_and_end
         deadline = time.monotonic() + 120
         while not training_started(str(tmp_path / "drain" / "events")) and time.monotonic() < deadline:
             time.sleep(0.1)
+        # One rank first (--rank: a process that misbehaves), then the whole node.
+        moved = subprocess.run([sys.executable, "-m", "hotspare.launch", "drain", "--master-port", str(handle.port()),
+                                "--job-secret-file", spec.job_secret_file, "--rank", "3", "--wait-s", "120"],
+                               capture_output=True, text=True, timeout=180)
+        assert moved.returncode == 0 and "rank 3: moved to s" in moved.stderr.splitlines()[-1], moved.stderr
         drain = subprocess.run([sys.executable, "-m", "hotspare.launch", "drain", "--master-port", str(handle.port()),
                                 "--job-secret-file", spec.job_secret_file, "--node", "1", "--wait-s", "120"],
                                capture_output=True, text=True, timeout=180)

@@ -74,14 +74,15 @@ def test_a_host_lost_cut_off_or_slowed_is_recovered_bitwise(fault, tmp_path, no_
 
 @needs_netns
 @pytest.mark.slow
-def test_either_hosts_launcher_killed_and_a_short_cut(tmp_path, no_leaks):
+def test_either_hosts_launcher_killed_a_keeper_killed_and_a_short_cut(tmp_path, no_leaks):
     """Node 0's hotspare-run SIGKILLed: its workers die with it, node 1's launcher fences itself
     (exit 4) and nothing of the job is alive 15 s later. Node 1's SIGKILLed: its workers die with
-    it, node 0 gives the node up and its spares take the ranks, bitwise. Host 1's link down for
-    half the node timeout: the job goes on (or recovers), bitwise."""
+    it (nothing of host 1 alive 15 s later), node 0 gives the node up and its spares take the
+    ranks, bitwise. Host 1's keeper SIGKILLed: named, the job trains on bitwise. Host 1's link
+    down for half the node timeout: the job goes on (or recovers), bitwise."""
     out = tmp_path / "h.json"
     proc = subprocess.run([sys.executable, os.path.join(RECIPES, "fault_matrix.py"), f"out={out}", "hosts=true",
-                           "frameworks=[zero2]", "host_faults=[launcher0,launcher1,blip]", "train.steps=300",
+                           "frameworks=[zero2]", "host_faults=[launcher0,launcher1,keeper,blip]", "train.steps=300",
                            f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
@@ -90,6 +91,8 @@ def test_either_hosts_launcher_killed_and_a_short_cut(tmp_path, no_leaks):
     second = rows["hosts/zero2/launcher1"]
     assert second["outcome"] == "recovered" and second["bitwise_identical"], second
     assert second["host1_alive_after_15s"] == 0, second
+    keeper = rows["hosts/zero2/keeper"]
+    assert keeper["outcome"] == "unaffected" and keeper["keeper_killed"] and keeper["keeper_named"], keeper
     blip = rows["hosts/zero2/blip"]
     assert blip["outcome"] in ("unaffected", "recovered") and blip["bitwise_identical"], blip
 

@@ -228,3 +228,47 @@ def test_the_drain_command_is_refused_without_the_jobs_secret_or_with_bad_flags(
     code, last = drain("--job-secret-file", str(mine), "--node", "1", "--wait-s", "0")
     assert code == 0 and "drain of node 1 asked" in last
     assert [d.node for d in plane.store.drains(0)[0]] == [1]
+    code, last = drain("--job-secret-file", str(mine), "--rank", "-3")
+    assert code == 2 and "--rank -3 must be >= 0" in last
+    code, last = drain("--job-secret-file", str(mine), "--rank", "1", "--node", "1")
+    assert code == 2  # one or the other
+
+
+def test_a_drained_rank_is_asked_to_hand_over_once_a_spare_can_take_it_and_its_move_is_said(plane, capfd):
+    """``hotspare-run drain --rank R``: the coordinator asks R's worker to hand over (cause
+    'drain') only when a spare can take it, one move at a time with a node's drain; once the plan
+    shows R in another worker, ``moved/<R>`` says which, and the command returns it. A rank the
+    job does not have is refused, said in ``moved/<R>``."""
+    import threading
+    import time
+
+    from hotspare import control
+    from hotspare.drain import Drains
+    from hotspare.launch import draining
+
+    said = []
+    drains = Drains(plane.store, lambda wid: 0 if wid in ("a0", "a1") else 1, said.append)
+    plan = control.Plan(0, 4, {str(r): f"a{r}" for r in range(4)})
+    plane.store.ask_drain(rank=9)
+    drains.look(plan, lambda rank: True)
+    assert plane.store.moved(9) == "refused: the job has ranks 0..3"
+    result = {}
+    command = threading.Thread(target=lambda: result.update(code=draining.main(
+        ["--master-port", str(plane.port), "--job-secret-file", str(plane.secret_file), "--rank", "2",
+         "--wait-s", "30"])))
+    command.start()
+    while len(plane.store.drains(0)[0]) < 2:
+        assert command.is_alive()
+        time.sleep(0.01)
+    drains.look(plan, lambda rank: False)  # no spare yet: asked of nobody, said once
+    drains.look(plan, lambda rank: False)
+    assert plane.store.handovers(0)[0] == [] and sum("no ready spare can take rank 2" in s for s in said) == 1
+    drains.look(plan, lambda rank: True)
+    drains.look(plan, lambda rank: True)  # asked once
+    [order] = plane.store.handovers(0)[0]
+    assert (order.worker, order.rank, order.cause) == ("a2", 2, "drain")
+    drains.look(control.Plan(1, 4, {**plan.workers, "2": "s1.0"}, replaced={"2": "s1.0"}), lambda rank: True)
+    command.join(timeout=30)
+    assert plane.store.moved(2) == "moved to s1.0" and result == {"code": 0}
+    assert "rank 2: moved to s1.0" in capfd.readouterr().err.strip().splitlines()[-1]
+    assert not drains.ranks and len(plane.store.handovers(0)[0]) == 1

@@ -1,6 +1,7 @@
 """Draining a node: an operator's ``hotspare-run drain --node N`` (signed with the job's secret,
 like every control message) asks that every rank on logical node N move to spares on other nodes
-without stopping the job (maintenance, a node that misbehaves).
+without stopping the job (maintenance, a node that misbehaves); ``--rank R`` moves one rank to a
+spare (a process that misbehaves), and the coordinator says where it went (``moved/<R>``).
 
 The coordinator (:class:`Drains`, node 0's launcher) stops counting the node's spares as ready,
 asks each rank on it, one at a time, to hand over at its next step boundary (``handover/<i>``,
@@ -23,6 +24,8 @@ class Drains:
         self.store, self.node_of, self.log = store, node_of, log
         self.nodes: set[int] = set()
         """Nodes being drained or drained: their spares take no rank."""
+        self.ranks: dict[int, str] = {}
+        """Ranks being drained (``--rank``) -> the worker that held the rank when asked."""
         self._cursor = control.ListCursor(control.keys.DRAIN)
         self._asked: set[str] = set()
         self._said: set[str] = set()
@@ -32,12 +35,17 @@ class Drains:
         """``plan``: the current generation's; ``can_take(rank)``: whether a ready spare (off the
         drained nodes) can take ``rank``."""
         for order in self.store.drains(self._cursor)[0]:
-            if order.node not in self.nodes:
-                self.nodes.add(order.node)
-                self.log(f"drain of node {order.node} asked: its ranks move to spares on other nodes, one step "
-                         f"boundary each; its spares take no rank")
+            self._take(order, plan)
         # One rank at a time: each takes a spare, and the next may need the successor of that one.
         moving = any(w in self._asked for w in plan.workers.values())
+        for rank, was in list(self.ranks.items()):
+            now = plan.workers[str(rank)]
+            if now != was:  # handed over (or replaced after a failure meanwhile)
+                del self.ranks[rank]
+                self.store.set_moved(rank, f"moved to {now}")
+                self.log(f"drain of rank {rank}: it runs in {now} now ({was} handed it over)")
+            elif not moving and now == was and self._ask(rank, was, f"rank {rank} is being drained", can_take):
+                moving = True
         for node in sorted(self.nodes - self._free):
             on = sorted((int(r), w) for r, w in plan.workers.items() if self.node_of(w) == node)
             if not on:
@@ -46,14 +54,31 @@ class Drains:
                 self.log(f"node {node} is free: no rank of the job runs there")
                 continue
             for rank, wid in on:
-                if moving or wid in self._asked:
-                    continue
-                if not can_take(rank):
-                    if wid not in self._said:
-                        self._said.add(wid)
-                        self.log(f"drain of node {node}: no ready spare on another node can take rank {rank} ({wid}); "
-                                 f"it stays until one can")
-                    continue
-                self._asked.add(wid)
-                self.store.ask_handover(control.Handover(wid, rank, "drain", f"node {node} is being drained"))
-                moving = True
+                if not moving and self._ask(rank, wid, f"node {node} is being drained", can_take):
+                    moving = True
+
+    def _take(self, order, plan) -> None:
+        if order.rank >= 0:
+            if order.rank >= plan.world_size:
+                self.store.set_moved(order.rank, f"refused: the job has ranks 0..{plan.world_size - 1}")
+                self.log(f"drain of rank {order.rank} refused: the job has ranks 0..{plan.world_size - 1}")
+            elif order.rank not in self.ranks:
+                self.ranks[order.rank] = plan.workers[str(order.rank)]
+                self.log(f"drain of rank {order.rank} asked: it moves to a spare at a step boundary")
+        elif order.node >= 0 and order.node not in self.nodes:
+            self.nodes.add(order.node)
+            self.log(f"drain of node {order.node} asked: its ranks move to spares on other nodes, one step "
+                     f"boundary each; its spares take no rank")
+
+    def _ask(self, rank: int, wid: str, why: str, can_take) -> bool:
+        """Ask ``wid`` to hand ``rank`` over, once, when a spare can take it; whether it was asked now."""
+        if wid in self._asked:
+            return False
+        if not can_take(rank):
+            if wid not in self._said:
+                self._said.add(wid)
+                self.log(f"{why}: no ready spare can take rank {rank} ({wid}); it stays until one can")
+            return False
+        self._asked.add(wid)
+        self.store.ask_handover(control.Handover(wid, rank, "drain", why))
+        return True

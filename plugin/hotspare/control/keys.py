@@ -37,8 +37,9 @@ and writes them (a generation's rendezvous keys under ``gen/<g>/`` are
 - ``handover/<tag>/count``, ``handover/<tag>/<i>``: the coordinator asks a worker's launcher to
   hand it over to a spare at its next step boundary (:class:`~.messages.Handover`).
 - ``drain/<tag>/count``, ``drain/<tag>/<i>``: an operator's ``hotspare-run drain`` asks that every
-  rank on a node move to spares elsewhere (:class:`~.messages.Drain`); ``drained/<n>``: the
-  coordinator's word that no rank of the job runs on node n any more.
+  rank on a node, or one rank, move to spares elsewhere (:class:`~.messages.Drain`);
+  ``drained/<n>``: the coordinator's word that no rank of the job runs on node n any more;
+  ``moved/<rank>``: that a drained rank runs in another worker now (its id), or why it cannot.
 - ``stragglers``: rank 0's word that the job looks for slow ranks, with the test's parameters
   (:class:`~.messages.StragglerPolicy`); ``compute/<wid>``: a worker's latest compute times per
   step (:class:`~.messages.Compute`).
@@ -105,6 +106,10 @@ def heartbeat(wid: str) -> str:
 
 def drained(node: int) -> str:
     return f"drained/{node}"
+
+
+def moved(rank: int) -> str:
+    return f"moved/{rank}"
 
 
 def compute(wid: str) -> str:

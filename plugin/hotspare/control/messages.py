@@ -108,9 +108,11 @@ class Handover:
 @dataclass
 class Drain:
     """An operator's request (``hotspare-run drain``, signed with the job's secret) that every rank
-    on ``node`` move to spares on other nodes (``drain/<i>``)."""
+    on ``node`` move to spares on other nodes, or that rank ``rank`` move to a spare
+    (``drain/<i>``); the other field is -1."""
 
-    node: int
+    node: int = -1
+    rank: int = -1
 
 
 @dataclass

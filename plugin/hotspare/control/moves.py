@@ -1,5 +1,6 @@
 """The control store's operations for moving ranks on purpose: a straggler's or an operator's
-handover (``handover/<i>``), a node's drain (``drain/<i>``, ``drained/<n>``), and what the
+handover (``handover/<i>``), a node's or a rank's drain (``drain/<i>``, ``drained/<n>``,
+``moved/<rank>``), and what the
 straggler test reads (``stragglers``, ``compute/<wid>``). Mixed into :class:`.store.ControlStore`,
 whose signed ``put``/``text``/``append`` they use."""
 from __future__ import annotations
@@ -16,8 +17,8 @@ class Moves:
     def handovers(self, start: int | ListCursor) -> tuple[list[Handover], int]:
         return self._entries(keys.HANDOVER, start)
 
-    def ask_drain(self, node: int) -> int:
-        return self.append(keys.DRAIN, to_json(Drain(node)))
+    def ask_drain(self, node: int = -1, rank: int = -1) -> int:
+        return self.append(keys.DRAIN, to_json(Drain(node=node, rank=rank)))
 
     def drains(self, start: int | ListCursor) -> tuple[list[Drain], int]:
         return self._entries(keys.DRAIN, start)
@@ -27,6 +28,13 @@ class Moves:
 
     def drained(self, node: int) -> bool:
         return self._has(keys.drained(node))
+
+    def set_moved(self, rank: int, outcome: str) -> None:
+        """A drained rank's outcome: ``moved to <wid>``, or ``refused: <why>``."""
+        self.put(keys.moved(rank), outcome)
+
+    def moved(self, rank: int) -> str | None:
+        return self.text(keys.moved(rank))
 
     # ---- stragglers -------------------------------------------------------------------------
     def publish_stragglers(self, policy: StragglerPolicy) -> None:

@@ -77,7 +77,7 @@ def release(launcher, node: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``hotspare-run drain --master-addr A --master-port P --job-secret-file F --node N``."""
+    """``hotspare-run drain --master-addr A --master-port P --job-secret-file F (--node N | --rank R)``."""
     from ..generation import connect_store
 
     p = argparse.ArgumentParser(prog="hotspare-run drain", description="Move every rank of a running job off a "
@@ -87,7 +87,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--job-secret-file", required=True,
                    help="the job's secret (the file every node's hotspare-run was given): only the job may act")
-    p.add_argument("--node", type=int, required=True, help="the (logical) node to drain")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--node", type=int, help="the (logical) node to drain: every rank on it moves to spares "
+                       "on other nodes")
+    which.add_argument("--rank", type=int, help="the rank to move to a spare (at its next step boundary)")
     p.add_argument("--wait-s", type=float, default=600.0, help="how long to wait for the node to be free (0: do "
                    "not wait)")
     try:
@@ -100,8 +103,10 @@ def main(argv: list[str]) -> int:
     problems = []
     if not 0 < a.master_port < 65536:
         problems.append(f"--master-port {a.master_port} must be in 1..65535")
-    if a.node < 0:
+    if a.node is not None and a.node < 0:
         problems.append(f"--node {a.node} must be >= 0")
+    if a.rank is not None and a.rank < 0:
+        problems.append(f"--rank {a.rank} must be >= 0")
     if not a.wait_s >= 0:
         problems.append(f"--wait-s {a.wait_s} must be >= 0 (seconds)")
     if problems:
@@ -119,19 +124,31 @@ def main(argv: list[str]) -> int:
                                        f"signed with {a.job_secret_file} (another job's secret, or none yet)")
         return BAD_LAUNCH_EXIT_CODE
     plane = control.ControlStore(store, signer.for_job(job))
-    plane.ask_drain(a.node)
-    log(f"job {job}: drain of node {a.node} asked")
+    what = f"node {a.node}" if a.node is not None else f"rank {a.rank}"
+    before = plane.moved(a.rank) if a.rank is not None else None
+    plane.ask_drain(node=-1 if a.node is None else a.node, rank=-1 if a.rank is None else a.rank)
+    log(f"job {job}: drain of {what} asked")
     deadline = time.monotonic() + a.wait_s
+
+    def done() -> str | None:
+        if a.node is not None:
+            return f"node {a.node} is free" if plane.drained(a.node) else None
+        outcome = plane.moved(a.rank)
+        return None if outcome in (None, before) else f"rank {a.rank}: {outcome}"
+
     try:
-        while a.wait_s > 0 and not plane.drained(a.node):
+        while a.wait_s > 0 and (said := done()) is None:
             if time.monotonic() > deadline:
-                say_exit(1, f"node {a.node} is not free after {a.wait_s:g} s: no spare on another node could take "
-                            f"its ranks yet (see node 0's hotspare-run log); the drain goes on")
+                say_exit(1, f"{what} has not moved after {a.wait_s:g} s: no spare could take it yet (see node 0's "
+                            f"hotspare-run log); the drain goes on")
                 return 1
             time.sleep(LOOK_S)
     except (RuntimeError, ConnectionError) as exc:  # torch's DistNetworkError: the store is gone
-        say_exit(1, f"the job's control store went away before node {a.node} was free (the job ended; see node 0's "
+        say_exit(1, f"the job's control store went away before {what} moved (the job ended; see node 0's "
                     f"hotspare-run log): {str(exc).splitlines()[0][:200]}")
         return 1
-    say_exit(0, f"node {a.node} is free" if a.wait_s > 0 else f"drain of node {a.node} asked")
-    return 0
+    if a.wait_s <= 0:
+        said = f"drain of {what} asked"
+    code = BAD_LAUNCH_EXIT_CODE if "refused:" in said else 0
+    say_exit(code, said)
+    return code

@@ -26,21 +26,21 @@ MALFORMED = LOOKS_SIGNED + "{not json"
 
 FAMILIES = ("plan", "prepare", "order", "ready", "hb", "hb_timeout", "node_hb", "alarm", "exited", "abort",
             "shutdown", "finished", "trained", "caught_up", "unfit", "job_id", "fingerprint", "handover", "drain",
-            "compute", "stragglers", "fail", "spare", "wait", "kill")
+            "drained", "moved", "compute", "stragglers", "fail", "spare", "wait", "kill")
 """Every key family of the control store (:mod:`hotspare.control.keys`)."""
 
 AT_RECOVERY = ("plan", "prepare", "order", "ready", "caught_up", "fail", "spare", "wait")
 """Families the job reads only when a failure is being handled: named in the probes' ``+kill``
 runs."""
 NOT_READ_WHILE_FORGED = ("job_id", "fingerprint", "hb_timeout", "trained", "compute", "stragglers", "node_hb",
-                         "finished", "exited", "unfit")
+                         "finished", "exited", "unfit", "moved")
 """Families the job does not read while a probe's value sits there, so its log need not name it:
 ``job_id``, ``fingerprint`` are read when a launcher or worker joins, ``hb_timeout`` when a worker
 starts beating, ``trained`` when a failure comes (it was set at the first step), ``compute`` and
 ``stragglers`` only with straggler detection on, ``node_hb`` only with several launchers
 (``--nnodes``; the hosts mode); ``finished``, ``exited`` are written by the job itself before
 anyone reads them (the rank's end, the failed worker's exit) and ``unfit`` is read when that spare
-exits. Overwriting one of them is a denial of service at worst (docs/control-plane.md), never an
+exits; ``moved`` only by a ``hotspare-run drain --rank`` command. Overwriting one of them is a denial of service at worst (docs/control-plane.md), never an
 action: every probe must still end bitwise."""
 
 
@@ -62,6 +62,7 @@ def key_of(family: str, t: Target) -> str:
               "abort": keys.ABORT, "shutdown": keys.SHUTDOWN, "finished": keys.finished(t.rank),
               "trained": keys.TRAINED, "caught_up": keys.caught_up(1), "unfit": keys.unfit(t.spare),
               "job_id": keys.JOB_ID, "fingerprint": keys.FINGERPRINT, "compute": keys.compute(t.live),
+              "drained": keys.drained(t.node), "moved": keys.moved(t.rank),
               "stragglers": keys.STRAGGLERS}
     if family not in single:
         raise ValueError(f"{family!r} is not a single-value key family ({', '.join(sorted(single))})")
@@ -90,6 +91,7 @@ def well_formed(family: str, t: Target) -> str:
         "compute": lambda: messages.to_json(messages.Compute(0, [{"step": s, "seconds": 100.0} for s in range(8)])),
         "handover": lambda: messages.to_json(messages.Handover(worker=keys.active_id(0), rank=0, cause="straggler")),
         "drain": lambda: messages.to_json(messages.Drain(node=0)),
+        "drained": lambda: "1", "moved": lambda: f"moved to {t.spare}",
         "fail": lambda: messages.to_json(messages.Failure(worker=t.live, rank=t.rank, code=-9, reason="exit",
                                                           wall_time=now)),
         "spare": lambda: messages.to_json(messages.Spare(worker="s0.7", node=0)),
