@@ -44,7 +44,8 @@ from hotspare.config import from_mapping
 from hotspare.testing import job as gpt_job
 from hotspare.testing.harness import Job, count_events, ranks_of, sweep, training_started
 from hotspare.testing.matrix import (ACCEPTABLE, OUTCOMES, PROBE_KILL_STEP, SLOW_MBIT, FaultMatrixConfig, classify,
-                                     describe, framework_job, parse_case, parse_probe, product, write_table)
+                                     describe, framework_job, handed_over, parse_case, parse_probe, product,
+                                     straggler_cases, write_table)
 
 MEGATRON_OVERRIDES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "framework",
                                   "megatron.yaml")
@@ -52,8 +53,21 @@ gpt_job.register()
 ConfigStore.instance().store(name="fault_matrix_schema", node=FaultMatrixConfig)
 
 
-def job_of(data: dict, framework: str) -> gpt_job.GPTJobConfig:
-    return framework_job(data, framework, OmegaConf.to_container(OmegaConf.load(MEGATRON_OVERRIDES)))
+def straggler_data(data: dict, matrix: FaultMatrixConfig) -> dict:
+    """The straggler cases' job: longer, straggler detection on, megatron on one pipeline stage
+    (its ranks are compared within a stage, and a class needs three)."""
+    hs = data["hotspare"]
+    return {**data, "train": {**data["train"], "steps": matrix.straggler_steps},
+            "hotspare": {**hs, "stragglers": {**hs.get("stragglers", {}), "enabled": True, "factor": 2.0,
+                                              "window": 3}}}
+
+
+def job_of(data: dict, framework: str, one_stage: bool = False) -> gpt_job.GPTJobConfig:
+    """The job on ``framework``; megatron on one pipeline stage with ``one_stage``."""
+    megatron = OmegaConf.to_container(OmegaConf.load(MEGATRON_OVERRIDES))
+    if one_stage:
+        megatron["parallel"]["pipeline_stages"] = 1
+    return framework_job(data, framework, megatron)
 
 
 def run_job(job, out_dir: str, spares: int, timeout_s: float, **options) -> tuple[int | None, str]:
@@ -337,23 +351,28 @@ def main(cfg) -> None:
     matrix = from_mapping(FaultMatrixConfig, data)
     run_dir = HydraConfig.get().runtime.output_dir
     world, per_node = matrix.parallel.num_ranks, matrix.parallel.num_ranks // matrix.parallel.logical_nodes
-    cases = [] if matrix.hosts or matrix.control else (matrix.cases or product(matrix, world, per_node))
+    cases = [] if matrix.hosts or matrix.control else (matrix.cases or (straggler_cases(matrix, world) if
+                                                                        matrix.stragglers else product(matrix, world, per_node)))
     refs: dict[str, dict] = {}
     rows = hosts_mode(matrix, data, run_dir) if matrix.hosts else control_mode(matrix, data, run_dir) \
         if matrix.control else []
     for i, case in enumerate(cases):
         framework, faults = parse_case(case)
-        job = job_of(data, framework)
-        if framework not in refs:
-            ref_dir = os.path.join(run_dir, f"uninterrupted-{framework}")
+        slow = any(f.slowdown for f in faults)
+        job = job_of(straggler_data(data, matrix) if slow else data, framework, one_stage=slow)
+        if (framework, slow) not in refs:
+            ref_dir = os.path.join(run_dir, f"uninterrupted-{framework}{'-straggler' if slow else ''}")
             code, tail = run_job(job, ref_dir, 0, matrix.case_timeout_s)
-            refs[framework] = ranks_of(ref_dir)
-            if code != 0 or sorted(refs[framework]) != list(range(world)):
+            refs[framework, slow] = ranks_of(ref_dir)
+            if code != 0 or sorted(refs[framework, slow]) != list(range(world)):
                 sys.exit(f"fault_matrix: the uninterrupted {framework} run failed (exit {code}):\n{tail}")
         out_dir = os.path.join(run_dir, f"case{i:03d}")
         t0 = time.monotonic()
         code, tail = run_job(job, out_dir, matrix.spares, matrix.case_timeout_s, faults=[str(f) for f in faults])
-        row = classify(code, tail, ranks_of(out_dir), refs[framework], world)
+        ranks = ranks_of(out_dir)
+        row = classify(code, tail, ranks, refs[framework, slow], world)
+        if slow:
+            row = handed_over(row, ranks)
         kind, phase, rank = describe(faults, world)
         row = {"case": case, "fault": kind, "phase": phase, "rank": rank, "framework": framework, **row,
                "seconds": time.monotonic() - t0, "exit_code": code, "dir": out_dir}

@@ -51,6 +51,39 @@ def test_the_matrix_product_adds_a_first_failure_where_a_case_needs_one():
         fault_matrix.FaultMatrixConfig(frameworks=["zero4"])
 
 
+def test_the_straggler_cases_and_their_verdict():
+    """stragglers=true: a slow rank per framework that can measure one (not ZeRO 3) and target;
+    handed_over only when every recovery was a handover and no iteration was lost."""
+    from hotspare.testing import matrix as fault_matrix
+
+    cfg = fault_matrix.FaultMatrixConfig(frameworks=["zero2", "zero3", "megatron"], stragglers=True)
+    cases = fault_matrix.straggler_cases(cfg, world=4)
+    assert cases == [f"{f}/slow@forward:{r}:3:3" for f in ("zero2", "megatron") for r in (0, 1, 3)]
+    done = {"outcome": "recovered", "lost_iterations": 0, "note": ""}
+    ranks = {0: {"recoveries": [{"kind": "handover"}]}, 1: {"recoveries": [{"kind": "handover"}]}}
+    assert fault_matrix.handed_over(done, ranks)["outcome"] == "handed_over"
+    ranks[1]["recoveries"][0]["kind"] = "failure"
+    assert fault_matrix.handed_over(done, ranks)["outcome"] == "wrong"
+    ranks[1]["recoveries"][0]["kind"] = "handover"
+    assert fault_matrix.handed_over({**done, "lost_iterations": 1}, ranks)["outcome"] == "wrong"
+    assert fault_matrix.handed_over({**done, "outcome": "hung"}, ranks)["outcome"] == "hung"
+
+
+@pytest.mark.slow  # about 2 minutes: one straggler per host framework
+def test_a_slow_rank_is_handed_over_bitwise_on_deepspeed_and_megatron(tmp_path, no_leaks):
+    """The middle rank computes 3x slower from step 3: found, handed to a spare at a step
+    boundary, no iteration lost, bitwise (megatron's loop once never reported its compute times:
+    its iteration_done did not reach the handover)."""
+    out = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, os.path.join(RECIPES, "fault_matrix.py"), f"out={out}", "stragglers=true",
+                           "frameworks=[zero2,megatron]", "targets=[middle]", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["outcome"] for r in rows] == ["handed_over", "handed_over"], rows
+    assert all(r["bitwise_identical"] and r["lost_iterations"] == 0 for r in rows), rows
+
+
 # Every kind once, in five runs of one framework (two runs carry two faults in sequence; ZeRO 2
 # only, so that one uninterrupted reference serves all: the suite's time budget). Megatron's
 # recoveries are in tests/test_megatron_recover.py, its whole matrix under make faults.

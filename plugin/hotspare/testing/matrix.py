@@ -24,8 +24,12 @@ HOST_FAULTS = ("cut", "slow", "node", "blip", "launcher0", "launcher1", "keeper"
 SLOW_MBIT = 20.0
 """The slow link's rate: a step's collectives and mirror copy take about a second on it."""
 TARGETS = ("first", "middle", "last", "spare")
-OUTCOMES = ("recovered", "fell_back", "stopped_cleanly", "unaffected", "wrong", "hung", "crashed")
-ACCEPTABLE = ("recovered", "fell_back", "stopped_cleanly", "unaffected")
+OUTCOMES = ("recovered", "handed_over", "fell_back", "stopped_cleanly", "unaffected", "wrong", "hung", "crashed")
+ACCEPTABLE = ("recovered", "handed_over", "fell_back", "stopped_cleanly", "unaffected")
+STRAGGLER_FRAMEWORKS = ("zero1", "zero2", "megatron")
+"""ZeRO 3's forward waits on its peers' parameters, so a slow rank is not seen there (refused)."""
+SLOWDOWN = 3
+"""The straggler cases' rank computes this many times slower (``slow@forward:R:S:3``)."""
 CONTROL_PROBES = ("unsigned:all", "forged:all", "malformed:all", "forged:all+kill", "malformed:all+kill", "replay",
                   "hole", "second_job", "second_node0", "kill_keeper", "kill_launcher")
 """A stranger on the store's port (:mod:`.probes`): ``WAY:FAMILIES[+kill]`` writes into key
@@ -107,6 +111,14 @@ class FaultMatrixConfig(GPTJobConfig):
     """Which control-plane probes to run (CONTROL_PROBES)."""
     control_steps: int = 40
     """Training steps of the control mode's job (long enough for a probe to land mid-run)."""
+    stragglers: bool = False
+    """The straggler cases instead of the catalogue's faults: per framework (zero1, zero2,
+    megatron with one pipeline stage: a stage's ranks are compared, and a class needs 3) the
+    first, middle and last rank computes SLOWDOWN times slower from ``fault_step`` on, with
+    ``hotspare.stragglers`` on (factor 2, window 3). Verdict ``handed_over``: the rank moved to a
+    spare at a step boundary (every recovery of kind handover), no iteration lost, bitwise."""
+    straggler_steps: int = 80
+    """Training steps of a straggler case (detection takes 10-20 steps here)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,6 +151,24 @@ def parse_case(case: str) -> tuple[str, list[catalogue.Fault]]:
         return framework, [catalogue.Fault.parse(f) for f in faults.split("+")]
     except ValueError as exc:
         raise ConfigError(f"cases: {case!r}: {exc}") from None
+
+
+def straggler_cases(cfg: FaultMatrixConfig, world: int) -> list[str]:
+    return [f"{framework}/{catalogue.Fault('slow', 'forward', target_rank(t, world), cfg.fault_step, SLOWDOWN)}"
+            for framework in cfg.frameworks if framework in STRAGGLER_FRAMEWORKS
+            for t in cfg.targets if t != "spare"]
+
+
+def handed_over(row: dict, ranks: dict) -> dict:
+    """A straggler case's verdict from classify's ``row``: ``handed_over`` when it recovered
+    bitwise and every recovery was a planned handover with no iteration lost."""
+    kinds = {rec.get("kind") for r in ranks.values() for rec in r.get("recoveries", [])}
+    if row["outcome"] != "recovered":
+        return row
+    if kinds != {"handover"} or row["lost_iterations"]:
+        return {**row, "outcome": "wrong", "note": f"recoveries of kind {sorted(map(str, kinds))}, "
+                                                   f"{row['lost_iterations']} iteration(s) lost: not a handover"}
+    return {**row, "outcome": "handed_over", "note": "the slow rank moved to a spare at a step boundary"}
 
 
 def target_rank(target: str, world: int) -> int:

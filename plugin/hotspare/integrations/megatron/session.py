@@ -120,6 +120,8 @@ class MegatronSession(Session):
         ck = self.config.checkpoint if self.config is not None and self.config.enabled else None
         if ck is not None and ck.enabled and self.state.iteration % ck.every == 0:
             self.save_checkpoint()
+        if self.handover is not None:  # its compute time goes out; a requested handover happens here
+            self.handover.after_step(self.state.iteration - 1)
 
     def save_checkpoint(self) -> None:
         """Save a persistent checkpoint of the current iteration (collective: every rank): the model
