@@ -59,7 +59,7 @@ def straggler_data(data: dict, matrix: FaultMatrixConfig) -> dict:
     hs = data["hotspare"]
     return {**data, "train": {**data["train"], "steps": matrix.straggler_steps},
             "hotspare": {**hs, "stragglers": {**hs.get("stragglers", {}), "enabled": True, "factor": 2.0,
-                                              "window": 3}}}
+                                              "window": 5}}}
 
 
 def job_of(data: dict, framework: str, one_stage: bool = False) -> gpt_job.GPTJobConfig:

@@ -60,8 +60,12 @@ def test_the_straggler_cases_and_their_verdict():
     cases = fault_matrix.straggler_cases(cfg, world=4)
     assert cases == [f"{f}/slow@forward:{r}:3:3" for f in ("zero2", "megatron") for r in (0, 1, 3)]
     done = {"outcome": "recovered", "lost_iterations": 0, "note": ""}
-    ranks = {0: {"recoveries": [{"kind": "handover"}]}, 1: {"recoveries": [{"kind": "handover"}]}}
+    ranks = {0: {"recoveries": [{"kind": "handover", "generation": 1}]},
+             1: {"recoveries": [{"kind": "handover", "generation": 1}]}}
     assert fault_matrix.handed_over(done, ranks)["outcome"] == "handed_over"
+    ranks[0]["recoveries"].append({"kind": "handover", "generation": 2})  # a healthy rank taken for slow
+    assert fault_matrix.handed_over(done, ranks)["outcome"] == "wrong"
+    ranks[0]["recoveries"].pop()
     ranks[1]["recoveries"][0]["kind"] = "failure"
     assert fault_matrix.handed_over(done, ranks)["outcome"] == "wrong"
     ranks[1]["recoveries"][0]["kind"] = "handover"

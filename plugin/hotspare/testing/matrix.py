@@ -115,8 +115,9 @@ class FaultMatrixConfig(GPTJobConfig):
     """The straggler cases instead of the catalogue's faults: per framework (zero1, zero2,
     megatron with one pipeline stage: a stage's ranks are compared, and a class needs 3) the
     first, middle and last rank computes SLOWDOWN times slower from ``fault_step`` on, with
-    ``hotspare.stragglers`` on (factor 2, window 3). Verdict ``handed_over``: the rank moved to a
-    spare at a step boundary (every recovery of kind handover), no iteration lost, bitwise."""
+    ``hotspare.stragglers`` on (factor 2, window 5). Verdict ``handed_over``: the slow rank, and
+    no other, moved to a spare at a step boundary (one generation, of kind handover), no iteration
+    lost, bitwise."""
     straggler_steps: int = 80
     """Training steps of a straggler case (detection takes 10-20 steps here)."""
 
@@ -161,13 +162,17 @@ def straggler_cases(cfg: FaultMatrixConfig, world: int) -> list[str]:
 
 def handed_over(row: dict, ranks: dict) -> dict:
     """A straggler case's verdict from classify's ``row``: ``handed_over`` when it recovered
-    bitwise and every recovery was a planned handover with no iteration lost."""
-    kinds = {rec.get("kind") for r in ranks.values() for rec in r.get("recoveries", [])}
+    bitwise in one generation, a planned handover, with no iteration lost (a second generation
+    is a healthy rank taken for slow, or a failure)."""
+    recoveries = [rec for r in ranks.values() for rec in r.get("recoveries", [])]
+    kinds = {rec.get("kind") for rec in recoveries}
+    generations = sorted({rec.get("generation") for rec in recoveries})
     if row["outcome"] != "recovered":
         return row
-    if kinds != {"handover"} or row["lost_iterations"]:
-        return {**row, "outcome": "wrong", "note": f"recoveries of kind {sorted(map(str, kinds))}, "
-                                                   f"{row['lost_iterations']} iteration(s) lost: not a handover"}
+    if kinds != {"handover"} or row["lost_iterations"] or len(generations) != 1:
+        return {**row, "outcome": "wrong", "note": f"recoveries of kind {sorted(map(str, kinds))} in generations "
+                                                   f"{generations}, {row['lost_iterations']} iteration(s) lost: not one "
+                                                   f"handover"}
     return {**row, "outcome": "handed_over", "note": "the slow rank moved to a spare at a step boundary"}
 
 
