@@ -16,7 +16,7 @@ segment is released or the keeper stops.
 Integrity: :func:`device_sum` is the sum of the buffer's 32-bit words in 64-bit integer
 arithmetic, computed on the device (integer addition is exact and order-independent, so it is
 deterministic on any kernel). It catches a buffer never written or overwritten since; bit
-errors are HBM ECC's. The host tier (CRC-32 per chunk) stays the reference copy.
+errors are HBM ECC's. The host tier (CRC-32C per chunk) stays the reference copy.
 """
 from __future__ import annotations
 

@@ -5,13 +5,12 @@ m parity blocks: any k of the k+m *shares* rebuild it. Held on k+m distinct node
 (:func:`place_shares`), a rank's state survives the loss of any m whole nodes, its own node
 included, at (k+m)/k times its size instead of the mirror's 2x for one replica.
 
-Every share carries the CRC-32 of its bytes and the CRC-32 of the whole snapshot
+Every share carries the CRC-32C of its bytes and the CRC-32C of the whole snapshot
 (:class:`StripeInfo`): a corrupted share is dropped before decoding and a decode that does not
 reproduce the snapshot's CRC is refused, so a bad share is never used.
 """
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,13 +36,13 @@ class StripeInfo:
     block: int
     """Bytes of every share."""
     share_crcs: tuple[int, ...]
-    """CRC-32 of each of the k+m shares, by share index."""
+    """CRC-32C of each of the k+m shares, by share index."""
     crc: int
-    """CRC-32 of the snapshot."""
+    """CRC-32C of the snapshot."""
 
 
 def _crc(buf) -> int:
-    return zlib.crc32(memoryview(buf).cast("B")) & 0xFFFFFFFF
+    return checksum.crc32(buf)
 
 
 def check_km(k: int, m: int) -> None:
@@ -108,8 +107,8 @@ def encode(data, k: int, m: int) -> tuple[StripeInfo, list[bytes]]:
 def decode(info: StripeInfo, shares: Mapping[int, object]) -> bytes:
     """The snapshot from any k good shares of ``shares`` (share index -> bytes).
 
-    Shares whose CRC-32 does not match ``info`` are dropped. Raises :class:`ErasureError` when
-    fewer than k good shares remain, or when the decoded bytes fail the snapshot's CRC-32.
+    Shares whose CRC-32C does not match ``info`` are dropped. Raises :class:`ErasureError` when
+    fewer than k good shares remain, or when the decoded bytes fail the snapshot's CRC-32C.
     """
     good, bad = {}, []
     for i, share in sorted(shares.items()):
@@ -127,7 +126,7 @@ def decode(info: StripeInfo, shares: Mapping[int, object]) -> bytes:
     blocks = zfec.Decoder(info.k, info.k + info.m).decode(tuple(good[i] for i in use), tuple(use))
     out = b"".join(bytes(b) for b in blocks)[:info.nbytes]
     if _crc(out) != info.crc:
-        raise ErasureError(f"the snapshot decoded from shares {use} fails its CRC-32; not used")
+        raise ErasureError(f"the snapshot decoded from shares {use} fails its CRC-32C; not used")
     return out
 
 

@@ -8,7 +8,7 @@ After the coordinator's plan for generation g+1 is out and every member has join
    computes the same :class:`~hotspare.planning.RestorePlan` with no one sending it;
 2. :func:`start_fetch`: a rank a spare took receives its landing version's bytes from the holders
    of its mirror, split across them by :func:`~hotspare.planning.split_load`; the header
-   (version, source, layout id, CRC-32) is checked before the bytes are used;
+   (version, source, layout id, CRC-32C) is checked before the bytes are used;
 3. the host integration restores from those bytes (survivors: from their own snapshot of
    the same version, never from live state that may be half-way through a step).
 """
@@ -188,10 +188,10 @@ def start_fetch(plan: RestorePlan, rank: int, new_ranks: list[int], holdings: li
 
 
 def _check_copy(r: int, holders, header: Header, buf: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, Layout]:
-    # Only the first holder's header is checked; the CRC-32 over the assembled bytes catches a
+    # Only the first holder's header is checked; the CRC-32C over the assembled bytes catches a
     # part from any holder whose copy differs.
     if crc32(buf) != header.crc32:
-        raise RecoveryError(f"rank {r}: the restored state fails its CRC-32 check (holders {list(holders)}); it is "
+        raise RecoveryError(f"rank {r}: the restored state fails its CRC-32C check (holders {list(holders)}); it is "
                             f"not used")
     return buf, layout
 

@@ -15,14 +15,14 @@ of ``chunk_bytes``; every (slot, chunk) has one commit record of int64 fields
    chunk in turn its generation and a pending checksum are written, then its version, last
    (the version is what makes the record count): a few stores per chunk, no pass over bytes;
 4. :meth:`RetainedSegment.commit`, off the training thread (the mirror round): each chunk's
-   CRC-32 replaces its pending mark.
+   CRC-32C replaces its pending mark.
 
 A chunk is therefore empty, or holds version v with a checksum that matches its bytes or is
 still pending; slot s holds version v only when every one of its chunks does. A trainer that
 dies anywhere in steps 1-3 leaves s incomplete and the other slot (the version before)
 intact, so :meth:`complete_versions` always names at least one consistent version once the
 first update was sealed; one that dies in step 4 leaves v complete. Readers check each
-chunk's CRC-32 against its record (:meth:`verify`) before the bytes are used; a chunk that
+chunk's CRC-32C against its record (:meth:`verify`) before the bytes are used; a chunk that
 fails is never restored from.
 
 A chunk whose checksum is still pending (:meth:`unverified`) was written in full by a writer
@@ -47,11 +47,10 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import zlib
 
 import numpy as np
 
-from . import faults
+from . import checksum, faults
 from .errors import HotspareError
 
 SEGMENT_MAGIC = 0x48535253  # "HSRS"
@@ -63,7 +62,7 @@ DEVICE_RECORD_AT = 128  # in the header page: version, device sum, generation (i
 RECORD_FIELDS = 3  # version, crc32, generation
 EMPTY = -1
 CRC_PENDING = -2
-"""A sealed chunk's checksum before its round computed it (CRC-32 values are 0 .. 2^32-1)."""
+"""A sealed chunk's checksum before its round computed it (CRC-32C values are 0 .. 2^32-1)."""
 PAGE = 4096
 
 
@@ -174,11 +173,11 @@ class RetainedSegment:
             rec[i, 0] = version  # last: the record counts from here on
 
     def commit(self, slot: int, version: int, crcs: list[int] | None = None) -> None:
-        """Write the CRC-32 of each chunk of sealed ``version`` in ``slot`` (``crcs``: computed
+        """Write the CRC-32C of each chunk of sealed ``version`` in ``slot`` (``crcs``: computed
         by the caller in its own pass over the bytes, else here)."""
         if crcs is None:
             data = memoryview(self._data[slot])
-            crcs = [zlib.crc32(data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) for i in range(self.num_chunks)]
+            crcs = [checksum.crc32(data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) for i in range(self.num_chunks)]
         if len(crcs) != self.num_chunks:
             raise ValueError(f"{len(crcs)} chunk checksums for a segment of {self.num_chunks} chunks")
         rec = self.records[slot]
@@ -225,12 +224,12 @@ class RetainedSegment:
         return out
 
     def verify(self, slot: int) -> list[int]:
-        """Chunks of ``slot`` whose bytes do not match their record's CRC-32 (empty: all good;
+        """Chunks of ``slot`` whose bytes do not match their record's CRC-32C (empty: all good;
         chunks whose checksum is pending are not counted, see :meth:`unverified`)."""
         data = memoryview(self._data[slot])
         rec = self.records[slot]
         return [i for i in range(self.num_chunks) if int(rec[i, 1]) != CRC_PENDING
-                and zlib.crc32(data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) != int(rec[i, 1])]
+                and checksum.crc32(data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]) != int(rec[i, 1])]
 
     def unverified(self, slot: int) -> list[int]:
         """Chunks of ``slot`` sealed whose checksum is still pending (the writer died before its round)."""

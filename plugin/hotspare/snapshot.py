@@ -13,12 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
 
-from . import accelerator
+from . import accelerator, checksum
 
 ALIGN = 64
 # Metadata is counters, scheduler and optimizer hyper-parameters, RNG leftovers and the data
@@ -128,8 +127,8 @@ def read_meta(buf: torch.Tensor, layout: Layout) -> dict:
 
 
 def crc32(buf: torch.Tensor, nbytes: int | None = None) -> int:
-    """CRC-32 of the buffer's first ``nbytes`` (zlib releases the GIL while it runs)."""
-    return zlib.crc32(memoryview(buf.numpy())[:nbytes if nbytes is not None else buf.numel()])
+    """CRC-32C of the buffer's first ``nbytes`` (:mod:`hotspare.checksum`; the GIL is released)."""
+    return checksum.crc32(memoryview(buf.numpy())[:nbytes if nbytes is not None else buf.numel()])
 
 
 @dataclass
