@@ -123,6 +123,15 @@ def _hotspare_steps(ranks: list[dict], world: int, attempt: int = 0) -> list[pee
                        else None, attempt) for r in ranks for k, t in r["step_end"].items()]
 
 
+def _landed_steps(ranks: list[dict], world: int, fault: dict) -> list[peers.Step]:
+    """A hotspare run's steps: a step's time is its last, so one from the landing version on that
+    ended after the fault was done again (attempt 1); one before it that a survivor finished just
+    after the victim's fault record belongs to the run before the fault."""
+    landing = min((rec["version"] for r in ranks for rec in r.get("recoveries", [])), default=fault["step"])
+    return [dataclasses.replace(s, attempt=1) if s.t > fault["t"] and s.step >= landing else s
+            for s in _hotspare_steps(ranks, world)]
+
+
 def _losses(ranks) -> dict[int, float]:
     r0 = next(r for r in ranks if r["rank"] == 0)
     return {int(k): float.fromhex(v) for k, v in r0["losses"].items()}
@@ -153,9 +162,7 @@ def deepspeed_systems(job, bench, run_dir: str, out: dict) -> None:
         d = os.path.join(run_dir, system)
         _, ranks = bench_recovery.run_hotspare(job, bench, d, keeper=keeper)
         fault = json.load(open(os.path.join(d, "fault.json"), encoding="utf-8"))
-        # A step's time is its last: one before the fault step that ended after the fault was done again.
-        steps = [dataclasses.replace(s, attempt=1) if s.t > fault["t"] else s for s in _hotspare_steps(ranks, world)]
-        run = peers.Run(steps, fault["t"], fault["step"], bench.kill_rank, world)
+        run = peers.Run(_landed_steps(ranks, world, fault), fault["t"], fault["step"], bench.kill_rank, world)
         out[system] = {**peers.measure(run, step_time), "standing_spare_gpus": 0, "standing_spare_processes": 2,
                        "step_time_s": step_time, "step_time_no_ft_s": no_ft,
                        "bitwise_identical": _same_state(ref, ranks),

@@ -66,3 +66,21 @@ def test_the_peers_run_on_this_machine_and_are_measured_from_the_fault(tmp_path,
         assert "error" not in r, r
         assert r["survivor_downtime_s"] > 0 and r["lost_steps"] >= 1 and r["step_time_s"] > 0, r
     assert systems["nvrx_inprocess"]["standing_spare_gpus"] == 1
+
+
+def test_a_hotspare_survivor_that_ended_the_step_before_the_fault_late_is_not_counted_as_back():
+    """The victim dies before step 60's forward; a survivor records step 59's end just after that
+    (its bookkeeping ran later). It landed on 60: its 59 is the run before the fault, not a step
+    done again, and not a full-strength step after the fault (it once read as back at 0 s)."""
+    sys.path.insert(0, RECIPES)
+    import bench_peers
+
+    fault = {"t": 100.0, "step": 60}
+    ranks = [{"rank": r, "losses": {}, "recoveries": [{"version": 60}],
+              "step_end": {"59": 100.01 if r == 2 else 99.9, "60": 100.5}} for r in range(4)]
+    steps = bench_peers._landed_steps(ranks, 4, fault)
+    got = peers.measure(peers.Run(steps, 100.0, 60, 1, 4), step_time=0.1)
+    assert got["time_to_full_strength_s"] == pytest.approx(0.5) and got["lost_steps"] == 1
+    ranks[2]["recoveries"][0]["version"] = 59  # landed a step back: its 59 done again, and the interrupted 60
+    again = peers.measure(peers.Run(bench_peers._landed_steps(ranks, 4, fault), 100.0, 60, 1, 4), step_time=0.1)
+    assert again["lost_steps_per_process"]["2"] == 2 and again["time_to_full_strength_s"] == pytest.approx(0.01)

@@ -148,24 +148,30 @@ def read_records(out_dir: str) -> tuple[list[Step], list[dict]]:
 
 
 def build(run: dict):
-    """The smoke GPT, its Adam and its data for one data-parallel rank of a peer's loop, from the
+    """The smoke model (the project's GPT, or the transformers family ``model.family`` of the same
+    shape), its AdamW and its data for one data-parallel rank of a peer's loop, from the
     benchmark's run description (``model``, ``train``): the same shape, seed, batch and learning
-    rate as hotspare's job. Returns (model, optimizer, sampler)."""
+    rate as hotspare's job. Returns (model, optimizer, sampler, loss(module, tokens, targets))."""
     import torch
 
     from ..env import make_deterministic
+    from . import hf
     from .data import ByteSampler, load_corpus
-    from .gpt import GPT, GPTConfig
+    from .gpt import GPTConfig
 
     train = run["train"]
     make_deterministic(train["seed"])
     model_cfg = GPTConfig(**run["model"])
-    model = GPT(model_cfg)
+    model, _ = hf.model_and_loss(model_cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train["lr"], betas=(0.9, 0.95),
                                   weight_decay=train["weight_decay"])
     sampler = ByteSampler(load_corpus(run.get("corpus", "")), model_cfg.seq_len, train["micro_batch"],
                           seed=train["seed"])
-    return model, optimizer, sampler
+
+    def loss(module, tokens, targets):
+        return module(tokens, targets) if model_cfg.family == "gpt" else hf.loss(module, tokens)
+
+    return model, optimizer, sampler, loss
 
 
 def kill_me_here(recorder: Recorder, run: dict, slot: int, step: int, incarnation: int) -> None:

@@ -38,7 +38,7 @@ def main() -> None:
     port = int(os.environ["MASTER_PORT"])
     rec = Recorder(run["out_dir"], initial, 0, name=f"p{initial}")
     rec("started")
-    model, optimizer, sampler = build(run)  # outside the wrapped function: a survivor keeps them
+    model, optimizer, sampler, loss_of = build(run)  # outside the wrapped function: a survivor keeps them
     progress = {"step": 0}
     seconds = lambda s: datetime.timedelta(seconds=s)  # noqa: E731
     store = dist.TCPStore(os.environ["MASTER_ADDR"], port + 1, world_size=int(os.environ["WORLD_SIZE"]),
@@ -74,7 +74,7 @@ def main() -> None:
             kill_me_here(rec, run, rank, step, it)  # the process of rank kill_slot, in the first iteration
             optimizer.zero_grad()
             tokens, targets = sampler.batch(step, rank)
-            loss = ddp(tokens, targets)
+            loss = loss_of(ddp, tokens, targets)
             loss.backward()
             optimizer.step()
             progress["step"] = step + 1

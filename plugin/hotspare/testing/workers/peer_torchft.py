@@ -48,7 +48,7 @@ def torchft_loop(run: dict, slot: int, incarnation: int, rec: Recorder) -> None:
     # torchft's Manager joins its group's store as a client; torchrun would host it.
     torchft_loop.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
                                        wait_for_workers=False)
-    model, base, sampler = build(run)
+    model, base, sampler, loss_of = build(run)
     timeout = datetime.timedelta(seconds=run["gloo_timeout_s"])
     pg = ProcessGroupGloo(timeout=timeout)
 
@@ -80,7 +80,7 @@ def torchft_loop(run: dict, slot: int, incarnation: int, rec: Recorder) -> None:
             manager.wait_quorum()  # the step's quorum includes the victim: its peers wait on it
         kill_me_here(rec, run, slot, step, incarnation)
         tokens, targets = sampler.batch(step, slot)
-        loss = ddp(tokens, targets)
+        loss = loss_of(ddp, tokens, targets)
         loss.backward()
         committed = manager.should_commit()  # what torchft's Optimizer.step asks, asked here to record it
         if committed:
@@ -92,12 +92,12 @@ def torchft_loop(run: dict, slot: int, incarnation: int, rec: Recorder) -> None:
 
 def plain_loop(run: dict, slot: int, rec: Recorder) -> None:
     dist.init_process_group("gloo", rank=slot, world_size=run["world"], timeout=datetime.timedelta(seconds=60))
-    model, optimizer, sampler = build(run)
+    model, optimizer, sampler, loss_of = build(run)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     for step in range(run["steps"]):
         optimizer.zero_grad()
         tokens, targets = sampler.batch(step, slot)
-        loss = ddp(tokens, targets)
+        loss = loss_of(ddp, tokens, targets)
         loss.backward()
         optimizer.step()
         rec.step(step, True, run["world"], True, loss.item())
