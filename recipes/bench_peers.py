@@ -138,10 +138,13 @@ def _losses(ranks) -> dict[int, float]:
 
 
 def _same_state(ref: list[dict], got: list[dict]) -> bool:
+    """Every rank's final fp32, optimizer and host state as the reference's, and each loss it
+    recorded the reference's for that step."""
     keys = ("fp32_digest", "optimizer_digest", "state_digest")
     by = {r["rank"]: r for r in got}
-    return len(got) == len(ref) and all(all(a.get(k) == by[a["rank"]].get(k) for k in keys) and
-                                        a["losses"] == {**a["losses"], **by[a["rank"]]["losses"]} for a in ref)
+    return sorted(by) == sorted(r["rank"] for r in ref) and all(
+        all(a.get(k) == by[a["rank"]].get(k) for k in keys)
+        and all(a["losses"].get(step) == loss for step, loss in by[a["rank"]]["losses"].items()) for a in ref)
 
 
 def deepspeed_systems(job, bench, run_dir: str, out: dict) -> None:

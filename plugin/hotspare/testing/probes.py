@@ -3,8 +3,9 @@ control-plane probes (``recipes/fault_matrix.py control=true``; docs/control-pla
 
 A stranger is a plain TCPStore client on the job's port without the job's secret. It can read
 every public value (they are signed, not secret) and write anything under any name, but it cannot
-sign. Three ways to write:
+sign. Four ways to write:
 
+- ``unsigned``: the value the job itself would write there, with no signature;
 - ``malformed``: a value that looks signed (``hs1.``, 64 hex digits, ``.``) over text that is not
   what the key holds, in every key family (:data:`FAMILIES`);
 - ``forged``: a well-formed message of each kind, signed with the stranger's own secret under the
@@ -40,8 +41,9 @@ starts beating, ``trained`` when a failure comes (it was set at the first step),
 ``stragglers`` only with straggler detection on, ``node_hb`` only with several launchers
 (``--nnodes``; the hosts mode); ``finished``, ``exited`` are written by the job itself before
 anyone reads them (the rank's end, the failed worker's exit) and ``unfit`` is read when that spare
-exits; ``moved`` only by a ``hotspare-run drain --rank`` command. Overwriting one of them is a denial of service at worst (docs/control-plane.md), never an
-action: every probe must still end bitwise."""
+exits; ``moved`` only by a ``hotspare-run drain --rank`` command. Overwriting one of them is a
+denial of service at worst (docs/control-plane.md), never an action: every probe must still end
+bitwise."""
 
 
 class Target:
