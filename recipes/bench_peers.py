@@ -300,13 +300,13 @@ def nvrx_run(job, bench, out_dir: str, kill: bool) -> list[peers.Step]:
     return peers.read_records(out_dir)[0]
 
 
-def peer_system(system: str, job, bench, run_dir: str) -> dict:
+def peer_system(system: str, job, bench, run_dir: str, no_ft: float) -> dict:
+    """``system`` with and without the fault; ``no_ft``: torch DDP's steady step, the peers' base."""
     world = bench.parallel.num_ranks
     d = os.path.join(run_dir, system)
     runner = torchft_run if system == "torchft" else nvrx_run
     ref = runner(job, bench, os.path.join(d, "uninterrupted"), kill=False)
     got = runner(job, bench, os.path.join(d, "fault"), kill=True)
-    base = torchft_run(job, bench, os.path.join(d, "no_ft"), kill=False, plain=True)
     records = peers.read_records(os.path.join(d, "fault"))[1]
     fault = next((r for r in records if r["kind"] == "fault"), None)
     if fault is None:
@@ -320,7 +320,7 @@ def peer_system(system: str, job, bench, run_dir: str) -> dict:
     ref_losses, losses = by_slot(ref), by_slot(got)
     return {**peers.measure(run, step_time), "standing_spare_gpus": 1 if system == "nvrx_inprocess" else 0,
             "standing_spare_processes": 1 if system == "nvrx_inprocess" else 0,
-            "step_time_s": step_time, "step_time_no_ft_s": peers.steady_step_time(base),
+            "step_time_s": step_time, "step_time_no_ft_s": no_ft,
             "bitwise_identical": losses == {k: ref_losses.get(k) for k in losses},
             "max_loss_diff": peers.max_loss_diff(ref_losses, losses, bench.kill_step)}
 
@@ -336,10 +336,14 @@ def main(cfg) -> None:
     t0 = time.monotonic()
     if any(s in bench.systems for s in ("hotspare", "hotspare_peers_only", "deepspeed_restart", "memory_restart")):
         deepspeed_systems(job, bench, run_dir, systems)
+    no_ft = None  # torch DDP without fault tolerance: both peers' base, run once
     for system in ("torchft", "nvrx_inprocess"):
         if system in bench.systems:
             try:
-                systems[system] = peer_system(system, job, bench, run_dir)
+                if no_ft is None:
+                    no_ft = peers.steady_step_time(torchft_run(job, bench, os.path.join(run_dir, "ddp_no_ft"),
+                                                               kill=False, plain=True))
+                systems[system] = peer_system(system, job, bench, run_dir, no_ft)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
                 systems[system] = {"error": f"{type(exc).__name__}: {exc}"}
     result = {"systems": {s: systems[s] for s in SYSTEMS if s in systems}, "kill_rank": bench.kill_rank,
