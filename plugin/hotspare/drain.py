@@ -44,7 +44,7 @@ class Drains:
                 del self.ranks[rank]
                 self.store.set_moved(rank, f"moved to {now}")
                 self.log(f"drain of rank {rank}: it runs in {now} now ({was} handed it over)")
-            elif not moving and now == was and self._ask(rank, was, f"rank {rank} is being drained", can_take):
+            elif not moving and self._ask(rank, was, f"rank {rank} is being drained", can_take):
                 moving = True
         for node in sorted(self.nodes - self._free):
             on = sorted((int(r), w) for r, w in plan.workers.items() if self.node_of(w) == node)
