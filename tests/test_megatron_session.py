@@ -48,3 +48,38 @@ def test_the_missing_gloo_groups_of_get_megatron_optimizers_defaults_are_named()
 
     with pytest.raises(ConfigError, match="use_gloo_process_groups=False.*create_gloo_process_groups=True"):
         megatron.build_checked(build, {"create_gloo_process_groups": False}, enabled=True)
+
+
+def test_after_the_alarm_a_megatron_forward_leaves_at_its_next_block(monkeypatch):
+    """Issue 32: megatron-core's forward had no alarm check, so a survivor kept posting
+    tensor-parallel collectives on the failed generation's groups. Every block of every chunk
+    now checks before its forward; the layers without children are not hooked."""
+    import torch
+
+    from hotspare.generation import Generation
+    from hotspare.integrations.megatron.session import MegatronSession
+    from hotspare.recovery import GenerationFailed
+
+    class Heartbeat:
+        def watch(self, generation, alarm):
+            self.alarm = alarm
+
+    ran = []
+    inner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    chunks = [torch.nn.Sequential(inner, torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))]
+    chunks[0][1].register_forward_pre_hook(lambda m, a: ran.append("last"))
+    session = MegatronSession(config=None, generation=Generation(3, 0, 2), store=None, heartbeat=Heartbeat(),
+                              model=chunks, optimizer=None, scheduler=None, parallel={})
+    assert set(map(id, session.interruptible())) == {id(chunks[0]), id(inner), id(chunks[1])}
+    x = torch.zeros(1, 2)
+    chunks[0](x)  # no alarm: the forward runs
+    assert ran == ["last"]
+    broke = []
+    monkeypatch.setattr(session, "break_connections", lambda: broke.append(1) or 0)
+    assert session.heartbeat.alarm()  # the coordinator: generation 3 failed
+    assert broke == [1]
+    with pytest.raises(GenerationFailed, match="generation 3 failed"):
+        chunks[0](x)
+    assert ran == ["last"]  # left before its first block
+    with pytest.raises(GenerationFailed):
+        chunks[1](x)

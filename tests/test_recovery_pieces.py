@@ -145,6 +145,34 @@ def test_gloo_wakes_no_transfer_cut_mid_payload_and_the_break_lets_it_land():
     assert out["5", 1]["second"] == "error" and "Timed out" not in out["5", 1]["error"], out["5", 1]
 
 
+def test_a_send_posted_just_after_the_break_fails_at_once_instead_of_at_the_timeout():
+    """Issue 32's stuck tensor-parallel survivor. Pins torch 2.13's gloo: a send written at once
+    (its peer's receive already posted) into a connection whose writing side was just shut waits
+    out the group's timeout, though its peer was told and left. ``break_connections`` shuts the
+    reading side first and the writing side once gloo closed the pair: the same send fails at
+    once."""
+    import subprocess
+
+    worker = os.path.join(os.path.dirname(__file__), "workers", "sendafterbreak.py")
+    procs = {}
+    for mode in ("cut", "break"):  # two independent pairs, side by side
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        procs[mode] = [subprocess.Popen([sys.executable, worker, str(r), port, mode, "3"], stdout=subprocess.PIPE,
+                                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    out = {}
+    for mode, pair in procs.items():
+        for r, p in enumerate(pair):
+            stdout, _ = p.communicate(timeout=120)
+            out[mode, r] = json.loads(stdout.strip().splitlines()[-1])
+    for mode in ("cut", "break"):  # the receiver is told at once either way
+        assert out[mode, 0]["end"] == "error" and "Timed out" not in out[mode, 0]["error"], out[mode, 0]
+    assert out["cut", 1]["end"] == "error" and "Timed out" in out["cut", 1]["error"], out["cut", 1]
+    assert out["break", 1]["end"] == "error" and "Timed out" not in out["break", 1]["error"], out["break", 1]
+    assert out["break", 1]["s"] < 1.5, out["break", 1]
+
+
 @pytest.mark.parametrize("exc, expected", [
     (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"), True),
     (RuntimeError("Read error [127.0.0.1]:53425: Connection reset by peer"), True),

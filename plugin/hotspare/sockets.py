@@ -6,11 +6,19 @@ error) would wait for the full collective timeout. gloo has no working abort for
 torch 2.13 ``ProcessGroupGloo.abort()`` and ``shutdown()`` return without closing the pairs,
 and the groups' sockets stay open as long as DeepSpeed holds a reference to the group.
 
-So a survivor that sees a failure shuts down (``shutdown(2)``, SHUT_RDWR) every established
-TCP connection of its process except those to the control store: its peers read EOF at once
-and fail in turn, and within a few milliseconds every survivor is out of the old generation.
-The file descriptors stay open (gloo owns them; they are closed when the groups are destroyed).
+So a survivor that sees a failure shuts down (``shutdown(2)``) every established TCP
+connection of its process except those to the control store: its peers read EOF at once and
+fail in turn, and within a few milliseconds every survivor is out of the old generation.
 NCCL communicators are aborted through torch's own call instead.
+
+It shuts each connection in two stages, reading side first. gloo (torch 2.13) writes a send at
+once when the peer's receive is already posted; if that write meets a connection whose writing
+side is shut, it fails with EPIPE and gloo queues the send without an error, and the end of file
+that follows does not wake it: the send waits out the group's timeout while its peer, told by
+the end of file, left long ago (issue 32: a tensor-parallel survivor blocked in an all_reduce).
+With the reading side shut first, gloo reads end of file, marks the pair failed and closes its
+descriptor while writes still work, so every later send on it fails at once; only then is the
+writing side shut, which tells the peer (tests/test_recovery_pieces.py pins both orders).
 
 A payload already on the wire is not cut: gloo (torch 2.13) does not wake a send or receive
 whose bytes were moving when its connection was shut down; both ends wait out the group's
@@ -103,6 +111,11 @@ def moving(sock: socket.socket) -> bool:
     return queued > 0 or last_data < QUIET_MS
 
 
+CLOSE_WAIT_S = 0.05
+"""How long a connection's owner is given to close its descriptor after the reading side was
+shut (gloo's loop takes 1-2 ms here) before the writing side is shut anyway."""
+
+
 class Broken(NamedTuple):
     """What :func:`break_connections` did."""
 
@@ -111,20 +124,49 @@ class Broken(NamedTuple):
     forced: int
     """Of those, the ones still carrying a payload when ``drain_s`` ran out: a collective moving
     it waits out its group's timeout on both ends (gloo does not wake it)."""
+    unclosed: int = 0
+    """Of those, the ones whose owner had not closed its descriptor :data:`CLOSE_WAIT_S` after
+    their reading side was shut (not gloo's, or its loop not scheduled in time)."""
+
+
+def _held(inodes: set[int], mine: set[int]) -> set[int]:
+    """Of the sockets ``inodes``, those some descriptor of this process other than ``mine``
+    (the duplicates) still refers to."""
+    held = set()
+    try:
+        names = os.listdir(FD_DIR)
+    except OSError:
+        return held
+    for name in names:
+        if int(name) in mine:
+            continue
+        try:
+            inode = os.stat(f"{FD_DIR}/{name}").st_ino
+        except OSError:
+            continue
+        if inode in inodes:
+            held.add(inode)
+    return held
 
 
 def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> Broken:
     """Shut down this process's connected TCP sockets, except to or from ``keep_ports``. A
     connection carrying a payload (:func:`moving`) is shut down once it is quiet, or after
     ``drain_s`` (counted as forced): cutting it would leave both ends waiting out their timeout
-    (see the module's docstring). The others are shut down at once."""
+    (see the module's docstring). The others are shut down at once.
+
+    Each in two stages (the module's docstring says why): the reading side, then the writing
+    side once the owner closed its descriptor, or after :data:`CLOSE_WAIT_S`."""
     socks = _connections(keep_ports)
-    count = forced = 0
+    mine = {sock.fileno() for sock in socks}
+    count = forced = unclosed = 0
     deadline = time.monotonic() + drain_s
+    reading_shut: dict[socket.socket, tuple[int, float]] = {}  # sock -> (inode, when)
     try:
         pending = socks
-        while pending:
-            last = time.monotonic() >= deadline
+        while pending or reading_shut:
+            now = time.monotonic()
+            last = now >= deadline
             busy = []
             for sock in pending:
                 still = moving(sock)
@@ -132,18 +174,33 @@ def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> Broken:
                     busy.append(sock)
                     continue
                 try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
-                    forced += still
+                    inode = os.fstat(sock.fileno()).st_ino
+                    sock.shutdown(socket.SHUT_RD)
                 except OSError:
-                    pass
+                    continue
+                reading_shut[sock] = (inode, now)
+                count += 1
+                forced += still
             pending = busy
-            if pending:
+            if reading_shut:
+                held = _held({inode for inode, _ in reading_shut.values()}, mine)
+                now = time.monotonic()
+                for sock, (inode, when) in list(reading_shut.items()):
+                    late = now - when >= CLOSE_WAIT_S
+                    if inode in held and not late:
+                        continue
+                    unclosed += inode in held
+                    try:
+                        sock.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass  # the peer reset it meanwhile: it knows
+                    del reading_shut[sock]
+            if pending or reading_shut:
                 time.sleep(POLL_S)
     finally:
         for sock in socks:
             sock.close()  # the duplicate only
-    return Broken(count, forced)
+    return Broken(count, forced, unclosed)
 
 
 def abort_nccl(groups) -> None:

@@ -91,6 +91,14 @@ class MegatronSession(Session):
     ps_groups: dict = field(default_factory=dict)
     """``parallel_state``'s groups by name, the ones the model and optimizer point at."""
 
+    def interruptible(self) -> list:
+        # Every block of every chunk checks for the alarm before its forward (modules with
+        # children: one hook per block, not per layer). A tensor-parallel forward's collectives
+        # raise on the broken connections anyway; the check stops the training thread from
+        # posting more of them on the failed generation's groups after the alarm, and makes a
+        # forward with none (one tensor-parallel rank) leave at its next block.
+        return [m for chunk in self.model for m in chunk.modules() if next(m.children(), None) is not None]
+
     def step_count(self) -> int:
         return self.state.iteration
 
@@ -100,7 +108,6 @@ class MegatronSession(Session):
             recoveries = len(self.recoveries)
             yield self.state.iteration
             if len(self.recoveries) == recoveries:  # the iteration completed (not recovered)
-                self._note_trained()
                 try:
                     self.iteration_done()
                 except Exception as exc:  # noqa: BLE001 - classified below
@@ -115,6 +122,7 @@ class MegatronSession(Session):
         """One iteration has completed (optimizer and scheduler stepped): count it and mirror the
         new state. :meth:`steps` calls it; a loop of its own calls it after each iteration."""
         self.state.iteration += 1
+        self._note_trained()
         if self.mirror is not None:
             self.mirror.on_step(self.state.iteration, self.state.tensors, self.state.meta)
         ck = self.config.checkpoint if self.config is not None and self.config.enabled else None
