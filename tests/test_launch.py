@@ -926,3 +926,46 @@ def test_two_spares_whose_set_up_fails_the_same_way_stop_the_job_with_its_messag
     plan = fail_and_plan("s0.1", 1, 3)
     assert plan.abort and not plan.replaced
     assert plan.abort == f"spares s0.0, s0.1 failed the same way after taking a rank: {message}"
+
+
+def test_a_stragglers_rank_goes_to_another_nodes_spare_and_its_nodes_spares_are_taken_last():
+    """Issue 30: the node a straggler ran on may be the slow part. The coordinator, in process
+    with its clock driven: rank 1 (node 0) is 3x slower than its peers; once it hands over, its
+    rank goes to node 1's spare although node 0 has one, and node 0 is said to be avoided. A later
+    failure on node 1 still gets node 0's spare (avoiding never costs a rank its spare)."""
+    from hotspare.coordinator import Coordinator
+    from hotspare.stragglers import LOOK_S
+
+    launcher = launch.Launcher(launch.LaunchSpec(script=["unused"], nproc_per_node=4, logical_nodes=2,
+                                                 spares_per_node=1))
+    launcher.open_store()
+    now = [100.0]
+    coordinator = Coordinator(launcher.spec, launcher.control, launcher.world_size, launcher.port, clock=lambda: now[0])
+    plane = launcher.control
+    for wid, node in (("s0.0", 0), ("s1.0", 1)):
+        plane.register_spare(wid, node)
+        plane.set_ready(wid, control.SPARE_ANY)
+    plane.publish_stragglers(control.StragglerPolicy(factor=2.0, window=3))
+    for r in range(4):
+        plane.report_compute(f"a{r}", control.Compute(0, [{"step": s, "seconds": 0.3 if r == 1 else 0.1}
+                                                          for s in range(4)]))
+    coordinator.step()
+    [order] = plane.handovers(0)[0]
+    assert (order.worker, order.cause, order.generation) == ("a1", "straggler", 0)
+
+    def leave(worker, rank, code, reason):
+        plane.report_failure(control.Failure(worker=worker, rank=rank, code=code, reason=reason,
+                                             wall_time=time.time()))
+        for r in range(4):
+            if r != rank:
+                plane.report_waiting(control.Waiting(worker=coordinator._current_plan().workers[str(r)], rank=r,
+                                                     generation=coordinator.generation))
+        now[0] += LOOK_S
+        coordinator.step()
+        now[0] += LOOK_S
+        coordinator.step()
+
+    leave("a1", 1, control.HANDED_OVER_EXIT_CODE, "handover")
+    assert plane.plan(1).replaced == {"1": "s1.0"}
+    leave("a3", 3, -9, "exit")
+    assert plane.plan(2).replaced == {"3": "s0.0"}

@@ -38,6 +38,20 @@ def test_on_an_accelerator_a_spare_takes_only_a_rank_of_its_own_node():
     assert choose_spares({2: 1, 3: 1}, spares, {"s1.0"}) == {2: "s1.0", 3: "s0.0"}
 
 
+def test_a_slow_nodes_spares_are_taken_last_and_its_ranks_go_elsewhere_first():
+    """Issue 30: a straggler's node may be the slow part. Its rank takes another node's spare
+    first, and every rank takes that node's spares last; avoiding never costs a rank its spare."""
+    spares = [("s0.0", 0), ("s1.0", 1)]
+    assert choose_spares({3: 1}, spares, avoid={1}) == {3: "s0.0"}
+    assert choose_spares({3: 1}, spares, {"s0.0"}, avoid={1}) == {3: "s1.0"}  # node 0's may not go: its own
+    assert choose_spares({0: 0}, [("s1.0", 1)], avoid={1}) == {0: "s1.0"}  # the only one left
+    # A node with no spare of its own: the richest node's, unless it is avoided.
+    assert choose_spares({4: 2}, [("s0.0", 0), ("s1.0", 1), ("s1.1", 1)], avoid={1}) == {4: "s0.0"}
+    # The rank of the avoided node yields the spare another rank can take only.
+    assert choose_spares({2: 1, 4: 2}, [("s0.0", 0), ("s1.0", 1)], {"s1.0"}, avoid={1}) == {2: "s1.0", 4: "s0.0"}
+    assert choose_spares({2: 1, 3: 1}, spares, avoid={1}) == {2: "s0.0", 3: "s1.0"}
+
+
 def test_plan_round_trips_and_finds_ranks():
     plan = Plan(3, 4, {"0": "a0", "1": "s1.0", "2": "a2", "3": "a3"}, replaced={"1": "s1.0"})
     again = Plan.from_json(plan.to_json())

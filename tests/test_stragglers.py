@@ -50,9 +50,31 @@ def test_ranks_are_compared_within_their_peer_class_and_a_class_needs_three():
 
 
 def test_what_cannot_be_measured_is_named():
-    assert stragglers.measurable(zero_stage=2) is None and stragglers.measurable(zero_stage=None) is None
-    assert "ZeRO 3" in stragglers.measurable(zero_stage=3)
+    assert stragglers.measurable() is None
     assert "tensor parallelism" in stragglers.measurable(tensor_parallel=2)
+
+
+def test_timing_the_leaves_leaves_out_what_an_earlier_pre_hook_waited_for():
+    """ZeRO 3: DeepSpeed's pre-hook on each module gathers its parameters, waiting for the other
+    ranks. The clock's hooks, registered after it, time each leaf from the end of that wait. A
+    clock read here: the "gather" moves it 100, each leaf's compute 1."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    assert [type(m).__name__ for m in stragglers.leaves(model)] == ["Linear", "Linear", "ReLU"]
+    now = [0]
+
+    def advance(by):
+        def hook(module, args):
+            now[0] += by
+        return hook
+
+    for m in model.modules():  # registered first, as DeepSpeed's are at engine init
+        m.register_forward_pre_hook(advance(100))
+    clock = stragglers.ComputeClock(stragglers.leaves(model), clock=lambda: now[0])
+    for m in stragglers.leaves(model):  # the leaf's own compute
+        m.register_forward_pre_hook(advance(1))
+    model(torch.ones(4))
+    assert clock.take(0) == (0, 3) and now[0] == 503  # five gathers waited for, three leaves computed
+    clock.close()
 
 
 class Slow(torch.nn.Module):
@@ -272,3 +294,100 @@ def test_a_drained_rank_is_asked_to_hand_over_once_a_spare_can_take_it_and_its_m
     assert plane.store.moved(2) == "moved to s1.0" and result == {"code": 0}
     assert "rank 2: moved to s1.0" in capfd.readouterr().err.strip().splitlines()[-1]
     assert not drains.ranks and len(plane.store.handovers(0)[0]) == 1
+
+
+def test_a_recovery_between_a_handover_order_and_the_step_boundary_voids_it_and_the_order_is_given_again(
+        plane, monkeypatch, capfd):
+    """Issue 30's race: a real failure may take the spare a handover counted on between the order
+    and the rank's step boundary. An order stands in its generation only: the worker, once the
+    recovery moved it to the next generation, does not leave (nothing happens but a log line);
+    the coordinator asks again in the new generation, and the launcher signals again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from hotspare import control
+    from hotspare.generation import Generation
+    from hotspare.launch.processes import Worker
+    from hotspare.session.handover import Handover
+
+    now = [0.0]
+    watch = stragglers.StragglerWatch(plane.store, lambda: now[0], lambda line: None)
+    plane.store.publish_stragglers(control.StragglerPolicy(factor=2.0, window=3))
+    for r in range(4):
+        report(plane.store, f"a{r}", 0.3 if r == 1 else 0.1)
+    plan0 = control.Plan(0, 4, {str(r): f"a{r}" for r in range(4)})
+    watch.look(plan0, lambda rank: True)
+    [first] = plane.store.handovers(0)[0]
+    assert (first.worker, first.generation) == ("a1", 0) and watch.asked == {"a1"}
+    # Rank 3 fails and takes the spare (generation 1): a1 is still slow, asked again once a spare can take it.
+    plan1 = control.Plan(1, 4, {**plan0.workers, "3": "s1.0"}, replaced={"3": "s1.0"})
+    now[0] += stragglers.LOOK_S
+    watch.look(plan1, lambda rank: False)
+    assert len(plane.store.handovers(0)[0]) == 1
+    now[0] += stragglers.LOOK_S
+    watch.look(plan1, lambda rank: True)
+    now[0] += stragglers.LOOK_S
+    watch.look(plan1, lambda rank: True)  # one order per generation
+    assert [(o.worker, o.generation) for o in plane.store.handovers(0)[0]] == [("a1", 0), ("a1", 1)]
+
+    # The worker: its launcher's signal came for generation 0's order; the recovery moved it on.
+    monkeypatch.setenv("HOTSPARE_WORKER_ID", "a1")
+    control_store = plane.store
+    session = SimpleNamespace(config=None, heartbeat=None, store=control_store.raw, control=control_store,
+                              generation=Generation(2, 1, 4))
+    retired = []
+    model = torch.nn.Linear(2, 2)
+    handover = Handover(session, [], None, entry=[model])
+    monkeypatch.setattr(handover, "retire", lambda: retired.append(session.generation.index))
+    # Its newest order is generation 1's, and another recovery came since: void.
+    handover.requested.set()
+    handover.after_step(7)
+    model(torch.zeros(2))
+    assert retired == [] and not handover.requested.is_set() and not handover.armed
+    assert "the order is void and this rank stays" in capfd.readouterr().err
+    session.generation = Generation(1, 1, 4)  # generation 1's order stands: it leaves at the next step's forward
+    handover.requested.set()
+    handover.after_step(8)
+    assert handover.armed and retired == []
+    model(torch.zeros(2))
+    assert retired == [1]
+    # Asked during the job's last step: the loop ends (steps() disarms), and a forward after it does not leave.
+    handover.armed = False
+    handover.requested.set()
+    handover.after_step(9)
+    handover.disarm()
+    model(torch.zeros(2))
+    assert retired == [1]
+    # A recovery before the next forward voids an armed order too.
+    handover.requested.set()
+    handover.after_step(10)
+    handover.interrupted()
+    model(torch.zeros(2))
+    assert retired == [1]
+    handover.close()
+
+    # The launcher carries out an order once per generation, and a later generation's again.
+    sleeper = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                                f"signal.signal({int(control.HANDOVER_SIGNAL)}, lambda *a: print('got', flush=True))\n"
+                                "signal.signal(signal.SIGUSR1, lambda *a: print('end', flush=True))\n"
+                                "print('ready', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sleeper.stdout.readline().strip() == "ready"
+        worker = Worker("a1", 0, sleeper, rank=1)
+        orders = plane.store.handovers(0)[0]
+        for order in orders:  # generation 0's, then generation 1's: a signal each
+            worker.hand_over(order)
+            assert sleeper.stdout.readline().strip() == "got"
+        for order in orders:  # given again: nothing more is sent
+            worker.hand_over(order)
+        time.sleep(0.2)
+        sleeper.send_signal(signal.SIGUSR1)
+        assert sleeper.stdout.readline().strip() == "end" and worker.handing_over
+    finally:
+        sleeper.send_signal(signal.SIGKILL)
+        sleeper.wait()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from . import control
 from .drain import Drains
+from .spares import Spares
 from .stragglers import StragglerWatch
 
 
@@ -65,7 +66,6 @@ class Coordinator:
         self._fail_cursor = control.ListCursor(control.keys.FAIL)
         self._spare_cursor = control.ListCursor(control.keys.SPARE)
         self._wait_cursor = control.ListCursor(control.keys.WAIT)
-        self._spares: list[tuple[str, int]] = []  # registered, not yet promoted
         self._pending: list[control.Failure] = []
         self._pending_since = 0.0
         self._waiting: dict[int, dict[str, control.Waiting]] = {}  # generation -> worker -> report
@@ -81,9 +81,9 @@ class Coordinator:
         self._promoted: dict[str, tuple[int, int, float]] = {}  # spare -> (rank, generation, when) it was promoted
         self._failed_takeovers: dict[int, list[str]] = {}  # rank -> its spares, in a row, whose takeover failed
         self._unfit: dict[str, list[str]] = {}  # message -> spares whose set-up failed so (unfit/<wid>)
-        self._scope: dict[str, str] = {}  # ready spare -> control.SPARE_LOCAL or SPARE_ANY (what it said)
-        self._homes = {spec.node_of_rank(r) for r in range(world_size)}  # the nodes that hold ranks
         self.stragglers, self.drains = StragglerWatch(store, clock, _log), Drains(store, spec.node_of_worker, _log)
+        self.spares = Spares(store, {spec.node_of_rank(r) for r in range(world_size)},
+                             lambda: self._lost_nodes | self.drains.nodes, _log)
 
     def _follow(self) -> None:
         """A plan written by someone else (a worker's abort) moves the generation too."""
@@ -113,17 +113,18 @@ class Coordinator:
         self._follow()
         self._check_nodes()
         spares, _ = self.store.spares(self._spare_cursor)
-        self._spares += [(s.worker, s.node) for s in spares]
+        self.spares.add(spares)
         failures, _ = self.store.failures(self._fail_cursor)
         for failure in failures:
             self._failed.add(failure.worker)
-            self._spares = [s for s in self._spares if s[0] != failure.worker]
+            self.spares.drop({failure.worker})
             self._prepared = {r: w for r, w in self._prepared.items() if w != failure.worker}
             if failure.rank < 0:
                 # A spare that died after the plan promoted it but before its launcher saw the plan.
                 rank = self._current_plan().rank_of(failure.worker)
                 failure = dataclasses.replace(failure, rank=-1 if rank is None else rank)
             self._count_takeover(failure)
+            self.spares.note_slow(failure, self.spec.node_of_worker(failure.worker), self.stragglers.asked)
             if failure.rank >= 0:
                 if not self._pending:
                     self._pending_since = self.clock()
@@ -148,17 +149,17 @@ class Coordinator:
         failures, self._pending = self._pending, []
         previous = self._current_plan()
         workers = dict(previous.workers)
-        ready = self._ready_spares()
-        dead = {f.rank: self.spec.node_of_rank(f.rank) for f in failures}
+        ready = self.spares.ready()
+        dead = {f.rank: self.spec.node_of_worker(f.worker) for f in failures}  # where its device and keeper are
         # A spare already building its engine for a rank keeps that rank.
         kept = {r: w for r, w in self._prepared.items() if r in dead and any(s[0] == w for s in ready)}
-        rest = control.choose_spares({r: n for r, n in dead.items() if r not in kept},
-                                     [s for s in ready if s[0] not in kept.values()], self._local_only(ready))
+        rest = self.spares.choose({r: n for r, n in dead.items() if r not in kept},
+                                  [s for s in ready if s[0] not in kept.values()])
         choice = None if rest is None else {**kept, **rest}
         g = self.generation + 1
         raised = [f for f in failures if f.reason == "exit" and f.code > 0]
         early = bool(raised) and not self.store.trained()
-        if not early and choice is None and len(self._spares) >= len(dead) and \
+        if not early and choice is None and len(self.spares.registered) >= len(dead) and \
                 self.clock() - self._pending_since < self.spec.store_timeout_s:
             # Enough spares exist but some are still starting (imports, model build): wait for them.
             self._pending = failures + self._pending
@@ -203,7 +204,7 @@ class Coordinator:
             lost = ", ".join(f"rank {f.rank} ({describe_exit(f.code) if f.reason == 'exit' else 'hung'})"
                              for f in failures)
             per_node = max(collections.Counter(dead.values()).values())
-            bound = " (on an accelerator a spare takes only a rank of its own node)" if self._local_only(ready) else ""
+            bound = " (on an accelerator a spare takes only a rank of its own node)" if self.spares.local_only(ready) else ""
             reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain{bound}; to survive {len(dead)} "
                       f"failures at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
                       f"{max(per_node, self.spec.spares_per_node + 1)}")
@@ -214,7 +215,7 @@ class Coordinator:
             for rank, wid in choice.items():
                 workers[str(rank)] = wid
                 self._prepared.pop(rank, None)
-            self._spares = [s for s in self._spares if s[0] not in choice.values()]
+            self.spares.drop(set(choice.values()))
             plan = control.Plan(g, self.world_size, workers, replaced={str(r): w for r, w in choice.items()},
                                 failures=[dataclasses.asdict(f) for f in failures], failures_read=self._fail_read)
             now = self.clock()
@@ -269,8 +270,9 @@ class Coordinator:
         while the coordinator settles and plans (the plan then gives it that rank)."""
         if rank in self._prepared:
             return
-        ready = [s for s in self._ready_spares() if s[0] not in self._prepared.values()]
-        pick = control.choose_spares({rank: self.spec.node_of_rank(rank)}, ready, self._local_only(ready))
+        ready = [s for s in self.spares.ready() if s[0] not in self._prepared.values()]
+        node = self.spec.node_of_worker(replaces) if replaces else self._node_of(rank)
+        pick = self.spares.choose({rank: node}, ready)
         if pick is None:
             return
         self._prepared[rank] = pick[rank]
@@ -279,22 +281,12 @@ class Coordinator:
         self.store.wake(pick[rank])
 
     def _can_take(self, rank: int) -> bool:
-        ready = self._ready_spares()
-        return control.choose_spares({rank: self.spec.node_of_rank(rank)}, ready, self._local_only(ready)) is not None
+        return self.spares.can_take(rank, self._node_of(rank))
 
-    def _local_only(self, ready: list[tuple[str, int]]) -> set[str]:
-        """The ready spares that may take only a rank of their own node (what each said in
-        ``ready/<wid>``; read once per spare). A spare on a node that holds no rank (a replacement
-        node started with ``--spares-only``) has its devices free, and may take any node's rank."""
-        for wid, _ in ready:
-            if wid not in self._scope:
-                self._scope[wid] = self.store.ready_scope(wid) or control.SPARE_ANY
-        return {wid for wid, node in ready if self._scope[wid] == control.SPARE_LOCAL and node in self._homes}
-
-    def _ready_spares(self) -> list[tuple[str, int]]:
-        """Registered spares that wait for an order (imports done, model built)."""
-        return [s for s in self._spares if s[1] not in self._lost_nodes and s[1] not in self.drains.nodes
-                and self.store.is_ready(s[0])]
+    def _node_of(self, rank: int) -> int:
+        """The node ``rank`` runs on now (a spare elsewhere may hold it since a handover)."""
+        wid = self._current_plan().workers.get(str(rank))
+        return self.spec.node_of_worker(wid) if wid else self.spec.node_of_rank(rank)
 
     def _find_stalled(self) -> None:
         """Survivors left the current generation but no launcher reported a failure: a rank is stuck
@@ -372,7 +364,7 @@ class Coordinator:
         it held fails (reason 'node') and its spares are given up. A node is watched from its
         first beat on (launchers may start minutes apart under a scheduler)."""
         # Every launched node but this one, and any node that brought spares (a replacement).
-        nodes = set(range(1, self.spec.nnodes)) | {n for _, n in self._spares if n >= self.spec.nnodes}
+        nodes = set(range(1, self.spec.nnodes)) | {n for _, n in self.spares.registered if n >= self.spec.nnodes}
         if not nodes or self.spec.logical_nodes > 1:
             return
         now = self.clock()
@@ -389,7 +381,7 @@ class Coordinator:
 
     def _lose_node(self, node: int, silent_s: float) -> None:
         self._lost_nodes.add(node)
-        self._spares = [sp for sp in self._spares if sp[1] != node]
+        self.spares.drop_node(node)
         plan = self._current_plan()
         lost = sorted((int(r), wid) for r, wid in plan.workers.items() if self.spec.node_of_worker(wid) == node)
         _log(f"node {node} lost: its launcher has not beaten for {silent_s:.1f} s (down, or cut off from node 0); "

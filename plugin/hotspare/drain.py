@@ -27,7 +27,7 @@ class Drains:
         self.ranks: dict[int, str] = {}
         """Ranks being drained (``--rank``) -> the worker that held the rank when asked."""
         self._cursor = control.ListCursor(control.keys.DRAIN)
-        self._asked: set[str] = set()
+        self._asked: dict[str, int] = {}  # worker asked to hand over -> the generation it was asked in
         self._said: set[str] = set()
         self._free: set[int] = set()
 
@@ -37,14 +37,14 @@ class Drains:
         for order in self.store.drains(self._cursor)[0]:
             self._take(order, plan)
         # One rank at a time: each takes a spare, and the next may need the successor of that one.
-        moving = any(w in self._asked for w in plan.workers.values())
+        moving = any(self._asked.get(w) == plan.generation for w in plan.workers.values())
         for rank, was in list(self.ranks.items()):
             now = plan.workers[str(rank)]
             if now != was:  # handed over (or replaced after a failure meanwhile)
                 del self.ranks[rank]
                 self.store.set_moved(rank, f"moved to {now}")
                 self.log(f"drain of rank {rank}: it runs in {now} now ({was} handed it over)")
-            elif not moving and self._ask(rank, was, f"rank {rank} is being drained", can_take):
+            elif not moving and self._ask(rank, was, f"rank {rank} is being drained", can_take, plan.generation):
                 moving = True
         for node in sorted(self.nodes - self._free):
             on = sorted((int(r), w) for r, w in plan.workers.items() if self.node_of(w) == node)
@@ -54,7 +54,7 @@ class Drains:
                 self.log(f"node {node} is free: no rank of the job runs there")
                 continue
             for rank, wid in on:
-                if not moving and self._ask(rank, wid, f"node {node} is being drained", can_take):
+                if not moving and self._ask(rank, wid, f"node {node} is being drained", can_take, plan.generation):
                     moving = True
 
     def _take(self, order, plan) -> None:
@@ -70,15 +70,16 @@ class Drains:
             self.log(f"drain of node {order.node} asked: its ranks move to spares on other nodes, one step "
                      f"boundary each; its spares take no rank")
 
-    def _ask(self, rank: int, wid: str, why: str, can_take) -> bool:
-        """Ask ``wid`` to hand ``rank`` over, once, when a spare can take it; whether it was asked now."""
-        if wid in self._asked:
+    def _ask(self, rank: int, wid: str, why: str, can_take, generation: int) -> bool:
+        """Ask ``wid`` to hand ``rank`` over, once per generation (a recovery before it left voids
+        the order), when a spare can take it; whether it was asked now."""
+        if self._asked.get(wid) == generation:
             return False
         if not can_take(rank):
             if wid not in self._said:
                 self._said.add(wid)
                 self.log(f"{why}: no ready spare can take rank {rank} ({wid}); it stays until one can")
             return False
-        self._asked.add(wid)
-        self.store.ask_handover(control.Handover(wid, rank, "drain", why))
+        self._asked[wid] = generation
+        self.store.ask_handover(control.Handover(wid, rank, "drain", why, generation))
         return True

@@ -12,9 +12,14 @@ top-level module(s):
   pipeline's sends and receives are between the chunks' forwards, in the schedule), so the sum
   of a rank's chunk forwards in an iteration is its compute. Ranks are compared with the other
   data-parallel replicas of the same pipeline stage only (stages differ in what they compute).
-- Not measured: ZeRO 3 (its forward gathers parameters, so a fast rank's forward includes its
-  wait for the slow one) and tensor parallelism (its forward all-reduces): there every rank's
-  forward time rises together and nothing tells the slow rank apart. :func:`measurable` says why.
+- DeepSpeed ZeRO 3: the forward gathers each module's parameters in DeepSpeed's forward
+  pre-hook, which waits there for the other ranks. So the leaf modules (no children: where the
+  matmuls are) are timed one by one, from a pre-hook registered after DeepSpeed's (the gather
+  has completed) to their forward's end (:func:`leaves`). What runs in a parent's own forward
+  outside its children (a residual add) is left out: a proxy that scales with the compute.
+- Not measured: tensor parallelism (its layers all-reduce inside their own forward): there
+  every rank's forward time rises together and nothing tells the slow rank apart.
+  :func:`measurable` says why.
 
 On an accelerator the forward is timed with events on the current stream (read one step later,
 when they have completed), not with the host clock (kernels are launched asynchronously).
@@ -33,13 +38,17 @@ from collections.abc import Hashable, Iterable, Mapping
 from . import control
 
 
-def measurable(zero_stage: int | None = None, tensor_parallel: int = 1) -> str | None:
+def measurable(tensor_parallel: int = 1) -> str | None:
     """Why a job's compute time cannot be told apart from its waits (None: it can)."""
-    if zero_stage == 3:
-        return "ZeRO 3's forward gathers parameters from the other ranks (a fast rank waits there for a slow one)"
     if tensor_parallel > 1:
         return f"tensor parallelism ({tensor_parallel}) all-reduces inside the forward (every rank waits there)"
     return None
+
+
+def leaves(module) -> list:
+    """The modules under ``module`` (itself included) with no children: timed one by one where a
+    parent's forward waits for something (ZeRO 3's parameter gathers, in each module's pre-hook)."""
+    return [m for m in module.modules() if next(m.children(), None) is None]
 
 
 class ComputeClock:
@@ -137,15 +146,22 @@ class StragglerWatch:
     ``stragglers`` section is on). Then, every :data:`LOOK_S`, it reads each current worker's
     latest compute times and runs :func:`stragglers`; a straggler is asked to hand its rank over
     (``handover/<i>``) when a ready spare can take that rank, one handover at a time; when none
-    can, it says so once and nothing else happens.
+    can, it says so once and nothing else happens. An order stands in the generation it was
+    given in: a recovery before the straggler left voids it (the worker does not leave), and the
+    straggler is asked again in the new generation if it still is one and a spare can take it.
     """
 
     def __init__(self, store, clock, log):
         self.store, self.clock, self.log = store, clock, log
         self.policy = None
         self._next = 0.0
-        self._asked: set[str] = set()  # workers asked to hand over
+        self._asked: dict[str, int] = {}  # worker asked to hand over -> the generation it was asked in
         self._said: set[str] = set()  # stragglers that no spare could take (said once)
+
+    @property
+    def asked(self) -> set[str]:
+        """The workers asked to hand over as stragglers."""
+        return set(self._asked)
 
     def look(self, plan, can_take) -> None:
         """``plan``: the current generation's; ``can_take(rank)``: whether a ready spare can take it."""
@@ -157,7 +173,7 @@ class StragglerWatch:
             self.policy = self.store.stragglers()
             if self.policy is None:
                 return
-        if any(w in self._asked for w in plan.workers.values()):
+        if any(self._asked.get(w) == plan.generation for w in plan.workers.values()):
             return  # one at a time: the last one asked has not left yet
         reports, peers, workers = {}, {}, {}
         for rank, wid in plan.workers.items():
@@ -175,8 +191,9 @@ class StragglerWatch:
                     self._said.add(wid)
                     self.log(f"rank {rank} ({wid}) is a straggler: {detail}; no ready spare can take it, so it stays")
                 continue
-            self._asked.add(wid)
+            again = " (asked again: a recovery voided the last order)" if wid in self._asked else ""
+            self._asked[wid] = plan.generation
             self.log(f"rank {rank} ({wid}) is a straggler: {detail}; it hands its rank to a spare at its next step "
-                     f"boundary")
-            self.store.ask_handover(control.Handover(wid, rank, "straggler", detail))
+                     f"boundary{again}")
+            self.store.ask_handover(control.Handover(wid, rank, "straggler", detail, plan.generation))
             return

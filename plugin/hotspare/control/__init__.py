@@ -40,33 +40,46 @@ poll delay adds up into the recovery's time."""
 
 
 def choose_spares(dead: Mapping[int, int], spares: Sequence[tuple[str, int]],
-                  local_only: frozenset[str] | set[str] = frozenset()) -> dict[int, str] | None:
+                  local_only: frozenset[str] | set[str] = frozenset(),
+                  avoid: frozenset[int] | set[int] = frozenset()) -> dict[int, str] | None:
     """Which spare takes which dead rank: a pure function.
 
     ``dead``: rank -> node of each failed active rank; ``spares``: (worker id, node) of each
     ready spare, in registration order; ``local_only``: spares that may take only a rank of
     their own node (``SPARE_LOCAL``). A spare on the dead rank's own node is preferred (its
     launcher owns the rank's device and, later, its keeper); otherwise the spare of the node
-    with most spares left. Returns None when the spares cannot cover the dead ranks.
+    with most spares left. ``avoid``: nodes found slow (a straggler ran there): their spares are
+    taken last, and a rank of such a node takes another node's spare first. Avoiding never
+    leaves a rank without a spare that the plain rule would give it. Returns None when the
+    spares cannot cover the dead ranks.
     """
     if len(spares) < len(dead):
         return None
+    if avoid:
+        out = _choose(dead, spares, local_only, frozenset(avoid))
+        if out is not None:
+            return out
+    return _choose(dead, spares, local_only, frozenset())
+
+
+def _choose(dead, spares, local_only, avoid) -> dict[int, str] | None:
     left = list(spares)
     out: dict[int, str] = {}
     elsewhere = []
     for rank in sorted(dead):  # every rank that has one takes a spare of its own node first
-        same = [s for s in left if s[1] == dead[rank]]
+        same = [s for s in left if s[1] == dead[rank] and s[1] not in avoid]
         if same:
             out[rank] = same[0][0]
             left.remove(same[0])
         else:
             elsewhere.append(rank)
-    for rank in elsewhere:
-        other = [s for s in left if s[0] not in local_only]
-        if not other:
+    # The ranks of avoided nodes last: they may fall back to their own node's spare.
+    for rank in sorted(elsewhere, key=lambda r: dead[r] in avoid):
+        can = [s for s in left if s[0] not in local_only or s[1] == dead[rank]]
+        if not can:
             return None
         count = {n: sum(1 for _, m in left if m == n) for _, n in left}
-        pick = max(other, key=lambda s: (count[s[1]], -left.index(s)))
+        pick = min(can, key=lambda s: (s[1] in avoid, -count[s[1]], left.index(s)))
         out[rank] = pick[0]
         left.remove(pick)
     return dict(sorted(out.items()))

@@ -103,6 +103,9 @@ class Handover:
     cause: str
     """'straggler' (slower than its peers for the configured window) or 'drain' (an operator's)."""
     detail: str = ""
+    generation: int = 0
+    """The generation the order stands in: a recovery before the worker left voids it (the worker
+    checks at its step boundary; the coordinator asks again in the new generation)."""
 
 
 @dataclass

@@ -42,17 +42,20 @@ class Worker:
     handing_over: bool = False
     """Asked to hand its rank over (``HANDOVER_SIGNAL`` sent): its exit with
     ``HANDED_OVER_EXIT_CODE`` is a handover, not a failure."""
+    handover_generation: int = -1
+    """The generation of the last handover order carried out for it (-1: none). A recovery voids
+    an order; the coordinator's next one, in a later generation, is sent again."""
 
     def hand_over(self, order: "control.Handover") -> None:
         """The coordinator asked: the worker leaves at its next step boundary (hotspare.session.handover)."""
-        if self.done or self.handing_over:
+        if self.done or order.generation <= self.handover_generation:
             return
+        self.handover_generation = order.generation
         if not signal_caught(self.proc.pid, control.HANDOVER_SIGNAL):
-            # Its loop does not listen (hotspare's steps() not used, or initialize off the main
-            # thread): the signal would kill it mid-step.
+            # It does not listen (hotspare's initialize ran off the main thread, or hotspare is
+            # off in its config): the signal would kill it mid-step.
             log(f"rank {order.rank} ({self.wid}) cannot hand its rank over: it does not listen for the handover "
                 f"signal; it stays ({order.cause}: {order.detail})")
-            self.handing_over = True
             return
         self.handing_over = True
         log(f"rank {order.rank} ({self.wid}) hands its rank to a spare at its next step boundary ({order.cause}: "

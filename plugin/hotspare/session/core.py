@@ -158,13 +158,11 @@ class Session:
         """
         self._end_setup()
         while self.step_count() < total:
-            step = self.step_count()
-            yield step
-            self._note_trained()
+            yield self.step_count()
             if self.catching_up is not None:
                 self._note_caught_up()
-            if self.handover is not None and self.step_count() > step:
-                self.handover.after_step(step)
+        if self.handover is not None:
+            self.handover.disarm()
 
     def resilient(self, fn: Callable) -> Callable:
         """Decorate the function that runs one training step (all its micro-batches).
@@ -220,7 +218,7 @@ class Session:
         starts protecting its state; a spare (``order``: its :class:`~hotspare.startup.Takeover`)
         joins the survivors' generation and lands with them."""
         if self.heartbeat is not None:
-            self.handover = Handover(self, self.compute_modules(), self.uncomputable())
+            self.handover = Handover(self, self.compute_modules(), self.uncomputable(), self.step_entry())
         if self.spare:
             landing.join_as_spare(self, order.plan, order.rank, order.t_order)
         elif self.generation.world_size > 1:
@@ -240,7 +238,9 @@ class Session:
 
     def _note_trained(self) -> None:
         """Rank 0, once: the job's first step completed (the coordinator tells a script that fails
-        before it from a fault spares can cover)."""
+        before it from a fault spares can cover). Called where each host counts a step (DeepSpeed's
+        ``engine.step``, megatron's ``iteration_done``), so that a loop of the user's own that does
+        not use :meth:`steps` has it too."""
         if not self._trained and self.store is not None and self.generation.rank == 0:
             self.control.mark_trained()
         self._trained = True
@@ -278,6 +278,11 @@ class Session:
 
     def compute_modules(self) -> list:
         """The modules whose forward time is this rank's compute time (hotspare.stragglers)."""
+        return []
+
+    def step_entry(self) -> list:
+        """The modules whose forward begins a step, before any of the host's own hooks (where a
+        handed-over rank leaves)."""
         return []
 
     def peer_class(self) -> int:

@@ -1,13 +1,20 @@
 """A rank's side of stragglers and planned handover (``"stragglers"`` in the config, and the
 drain command): its compute time per step goes out with its heartbeat, and when its launcher
-says it is to be handed over, it leaves at the next step boundary.
+says it is to be handed over, it leaves at the next step boundary: the first forward of the
+step after the one under way (so a rank asked during the job's last step never leaves: the job
+is over, and the others may still run collectives with it after the loop).
 
 The handover reuses the recovery: the retiring rank waits until the mirror round of the step it
-just completed has committed (its holders and its keeper have that version), says so, and exits
+completed has committed (its holders and its keeper have that version), says so, and exits
 with :data:`hotspare.control.HANDED_OVER_EXIT_CODE`. Its launcher reports the exit as a
 handover, not a failure; the coordinator gives the rank to a ready spare; the other ranks, in
 the next step's first collective, land on the version the retiring rank completed, so no
 iteration is lost (the part of a step they had done is computed again).
+
+An order stands in the generation it was given in. A recovery between the order and the step
+boundary (a real failure that may have taken the spare the order counted on) voids it: the worker
+reads its orders before it leaves (:meth:`Handover.standing`) and stays when none is for its
+current generation; the coordinator asks again in the new one if the reason still holds.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import signal
 import sys
 import threading
 
-from .. import control
+from .. import control, env
 from ..events import log
 from ..stragglers import ComputeClock
 
@@ -24,9 +31,17 @@ from ..stragglers import ComputeClock
 class Handover:
     """A worker's compute clock and its retirement flag (one per session, in the training thread)."""
 
-    def __init__(self, session, modules: list, why_not: str | None):
+    def __init__(self, session, modules: list, why_not: str | None, entry: list = ()):
+        """``modules``: whose forward time is the compute time; ``why_not``: why none can be
+        measured (None: it can); ``entry``: the modules whose forward begins a step (where a
+        standing order is carried out)."""
         self.session = session
         self.requested = threading.Event()
+        self.armed = False
+        """An order stands: this rank leaves at the next step's first forward."""
+        self._entry = [m.register_forward_pre_hook(self._step_begins) for m in entry]
+        self._orders = control.ListCursor(control.keys.HANDOVER)
+        self._newest = -1  # the newest generation an order for this worker was given in
         self.clock = None
         cfg = session.config.stragglers if session.config is not None else None
         if cfg is not None and cfg.enabled and session.heartbeat is not None:
@@ -50,10 +65,39 @@ class Handover:
             if sample is not None:
                 s.heartbeat.report_compute(*sample, stage=self.stage)
         if self.requested.is_set():
+            self.requested.clear()
+            self.armed = self.standing()
+
+    def _step_begins(self, module, args) -> None:
+        if self.armed:
             self.retire()
 
+    def disarm(self) -> None:
+        """The loop is over (``steps`` ended): an order not carried out yet is dropped."""
+        self.armed = False
+
+    def standing(self) -> bool:
+        """Whether an order for this worker stands in its current generation (the job's signed
+        ``handover/<i>`` entries). Without a control store (not under hotspare-run) the signal is
+        the order."""
+        s = self.session
+        if s.store is None:
+            return True
+        me = os.environ.get(env.HOTSPARE_WORKER_ID, "")
+        for order in s.control.handovers(self._orders)[0]:
+            if order.worker == me:
+                self._newest = max(self._newest, order.generation)
+        if self._newest == s.generation.index:
+            return True
+        log(f"rank {s.generation.rank}: a handover was asked in generation {self._newest}, and a recovery came "
+            f"before this step boundary (generation {s.generation.index} now): the order is void and this rank "
+            f"stays; the coordinator asks again if it still stands")
+        return False
+
     def interrupted(self) -> None:
-        """A recovery began: the step under way will run again; its forwards so far do not count."""
+        """A recovery began: the step under way will run again; its forwards so far do not count.
+        An order not carried out yet is void (it stood in the generation being left)."""
+        self.armed = False
         if self.clock is not None:
             self.clock.take(-1)
 
@@ -77,6 +121,10 @@ class Handover:
         """Training is over: a handover asked from now on is ignored. (At exit Python puts the
         default action back for the signals it handles, which for this one is to end the process:
         a late order would kill a worker that finished.)"""
+        self.armed = False
+        for h in self._entry:
+            h.remove()
+        self._entry = []
         if self.clock is not None:
             self.clock.close()
             self.clock = None

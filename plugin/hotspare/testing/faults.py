@@ -292,20 +292,31 @@ class Injector:
 
 
 def slow_down(module: torch.nn.Module, factor: int) -> None:
-    """Make ``module``'s next forward take ``factor`` times as long: it sleeps ``factor - 1`` times
-    what it computed, before any other forward hook sees it end (a compute clock then counts it)."""
-    started, handles = [], []
+    """Make ``module``'s next forward compute ``factor`` times as long, the way a slower device
+    would: every module under it (itself included) sleeps ``factor - 1`` times what it computed
+    itself (its forward's time less its children's), before any other forward hook sees it end,
+    so that a compute clock on the whole model or on its leaves counts it. On ZeRO 3 a module's
+    time is counted from the end of DeepSpeed's pre-hook (its parameter gather), registered
+    before these."""
+    handles, stack = [], []
 
     def begin(_module, _args):
-        started.append(time.perf_counter())
+        stack.append([time.perf_counter(), 0.0])  # its start, and its children's time so far
 
     def end(_module, _args, _out):
+        start, children = stack.pop()
+        time.sleep((factor - 1) * max(0.0, time.perf_counter() - start - children))
+        if stack:
+            stack[-1][1] += time.perf_counter() - start
+
+    def done(_module, _args, _out):
         for h in handles:
             h.remove()
-        time.sleep((factor - 1) * (time.perf_counter() - started[0]))
 
-    handles.append(module.register_forward_pre_hook(begin))
-    handles.append(module.register_forward_hook(end, prepend=True))
+    for m in module.modules():
+        handles.append(m.register_forward_pre_hook(begin))
+        handles.append(m.register_forward_hook(end, prepend=True))
+    handles.append(module.register_forward_hook(done))
 
 
 def threading_kill_after(seconds: float) -> None:

@@ -107,6 +107,7 @@ class OptimizerConfig:
 
 
 OPTIMIZER_IMPLS = ("deepspeed", "torch_adam")
+LOOPS = ("steps", "own")
 
 
 @dataclass
@@ -131,8 +132,13 @@ class TrainConfig:
     """Gradient-norm clipping (0 disables)."""
     log_interval: int = 25
     """Steps between progress lines."""
+    loop: str = "steps"
+    """How the loop is written: ``steps`` (``for step in session.steps(total)``, the documented
+    loop) or ``own`` (``while session.step_count() < total: train_step(session.step_count())``, a
+    loop of the user's own around the resilient step; framework=deepspeed only)."""
 
     def __post_init__(self) -> None:
+        check_choice("train.loop", self.loop, LOOPS)
         for key in ("steps", "micro_batch", "grad_accum", "log_interval"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key}={getattr(self, key)} must be at least 1")
@@ -180,6 +186,9 @@ class GPTJobConfig:
                     raise ValueError(f"parallel.{key}={getattr(self.parallel, key)}: model parallelism is the "
                                      f"megatron path's (framework=megatron); DeepSpeed runs ZeRO data parallelism")
         if self.framework == "megatron":
+            if self.train.loop != "steps":
+                raise ValueError(f"train.loop={self.train.loop}: the megatron job's loop is session.steps(); "
+                                 f"train.loop=own is framework=deepspeed's")
             if self.model.family != "gpt":
                 raise ValueError(f"model.family={self.model.family}: framework=megatron builds megatron-core's GPTModel "
                                  f"from the shape; the transformers families run with framework=deepspeed")

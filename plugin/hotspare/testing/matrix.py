@@ -26,8 +26,8 @@ SLOW_MBIT = 20.0
 TARGETS = ("first", "middle", "last", "spare")
 OUTCOMES = ("recovered", "handed_over", "fell_back", "stopped_cleanly", "unaffected", "wrong", "hung", "crashed")
 ACCEPTABLE = ("recovered", "handed_over", "fell_back", "stopped_cleanly", "unaffected")
-STRAGGLER_FRAMEWORKS = ("zero1", "zero2", "megatron")
-"""ZeRO 3's forward waits on its peers' parameters, so a slow rank is not seen there (refused)."""
+STRAGGLER_FRAMEWORKS = ("zero1", "zero2", "zero3", "megatron")
+"""Every framework: ZeRO 3's compute time is its leaf modules' (after their parameters arrived)."""
 SLOWDOWN = 3
 """The straggler cases' rank computes this many times slower (``slow@forward:R:S:3``)."""
 CONTROL_PROBES = ("unsigned:all", "forged:all", "malformed:all", "forged:all+kill", "malformed:all+kill", "replay",
@@ -112,7 +112,7 @@ class FaultMatrixConfig(GPTJobConfig):
     control_steps: int = 40
     """Training steps of the control mode's job (long enough for a probe to land mid-run)."""
     stragglers: bool = False
-    """The straggler cases instead of the catalogue's faults: per framework (zero1, zero2,
+    """The straggler cases instead of the catalogue's faults: per framework (zero1, zero2, zero3,
     megatron with one pipeline stage: a stage's ranks are compared, and a class needs 3) the
     first, middle and last rank computes SLOWDOWN times slower from ``fault_step`` on, with
     ``hotspare.stragglers`` on (factor 2, window 5). Verdict ``handed_over``: the slow rank, and

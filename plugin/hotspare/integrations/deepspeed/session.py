@@ -58,10 +58,17 @@ class DeepSpeedSession(Session):
         return self.engine.global_steps
 
     def compute_modules(self) -> list:
+        # ZeRO 3: each leaf, timed after DeepSpeed's pre-hook gathered its parameters (the clock's
+        # hooks are registered after the engine's); ZeRO 1/2: the whole forward (no collective).
+        if self.engine.zero_optimization_stage() == 3:
+            return stragglers.leaves(self.engine.module)
         return [self.engine.module]
 
+    def step_entry(self) -> list:
+        return [self.engine]  # the engine's own forward: before ZeRO 3's fetch hooks on its module
+
     def uncomputable(self) -> str | None:
-        return stragglers.measurable(zero_stage=self.engine.zero_optimization_stage())
+        return None
 
     def interruptible(self) -> list:
         # ZeRO 1/2's forward runs no collective: the blocks of the model check for the alarm
@@ -151,7 +158,9 @@ def initialize(model: torch.nn.Module, config: dict | str, *, model_parameters=N
 
 def _wrap_step(session: DeepSpeedSession) -> None:
     """Wrap the one call every DeepSpeed loop makes: after an optimizer step (global_steps moved)
-    the post-step state is captured and its copy starts on the mirror thread."""
+    the post-step state is captured and its copy starts on the mirror thread, the step's compute
+    time goes out, and a requested handover happens. Here rather than in ``steps``: a loop of the
+    user's own (``while engine.global_steps < total``) gets all of it too."""
     engine = session.engine
     step = engine.step
 
@@ -169,6 +178,9 @@ def _wrap_step(session: DeepSpeedSession) -> None:
             mirror.on_step(engine.global_steps, session.state.tensors, session.state.meta)
         if session.checkpoints is not None and engine.global_steps % session.config.checkpoint.every == 0:
             session.save_checkpoint()
+        session._note_trained()
+        if session.handover is not None:  # its compute time out; a standing order: leave at the next forward
+            session.handover.after_step(engine.global_steps - 1)
         return out
 
     engine.step = step_and_mirror

@@ -117,6 +117,8 @@ class MegatronSession(Session):
                     continue
                 if self.catching_up is not None:
                     self._note_caught_up()  # (counted here: resilient returned before the count moved)
+        if self.handover is not None:
+            self.handover.disarm()
 
     def iteration_done(self) -> None:
         """One iteration has completed (optimizer and scheduler stepped): count it and mirror the
@@ -128,7 +130,7 @@ class MegatronSession(Session):
         ck = self.config.checkpoint if self.config is not None and self.config.enabled else None
         if ck is not None and ck.enabled and self.state.iteration % ck.every == 0:
             self.save_checkpoint()
-        if self.handover is not None:  # its compute time goes out; a requested handover happens here
+        if self.handover is not None:  # its compute time out; a standing order: leave at the next forward
             self.handover.after_step(self.state.iteration - 1)
 
     def save_checkpoint(self) -> None:
@@ -205,6 +207,9 @@ class MegatronSession(Session):
 
     def compute_modules(self) -> list:
         return list(self.model)
+
+    def step_entry(self) -> list:
+        return list(self.model)  # the DDP wrappers: before their inner modules' parameter-gather hooks
 
     def peer_class(self) -> int:
         from megatron.core import parallel_state as ps

@@ -329,6 +329,10 @@ def main() -> int:
     if mode == "restart":
         for step in range(host.first_step(), train["steps"]):
             body(step)
+    elif train.get("loop") == "own":  # no steps(): engine.step mirrors, reports and hands over
+        train_step = session.resilient(body)
+        while session.step_count() < train["steps"]:
+            train_step(session.step_count())
     else:
         train_step = session.resilient(body)
         for step in session.steps(train["steps"]):
