@@ -16,6 +16,12 @@ to the end), ``handover_pause_s`` (the longest gap between two of rank 0's compl
 the handover) against ``median_step_s`` (before the slowdown), ``detect_steps`` (steps from the
 slowdown to the step the job landed on), ``lost_iterations``, ``handover_step``,
 ``bitwise_identical``. All times from one clock (CLOCK_MONOTONIC, shared by the processes).
+
+``steps_per_s_after`` includes the start of the successor spare (the launcher starts one once
+the new generation caught up: imports and a model build, on the same cores here). The second
+half of the steps after the handover is measured on its own too (``steps_per_s_late``), next to
+the same steps of the uninterrupted run (``ref_steps_per_s_late``, ``late_vs_uninterrupted``):
+a longer ``train.steps`` puts the successor's start before it.
 """
 from __future__ import annotations
 
@@ -75,15 +81,20 @@ def rate(ends: dict[int, float], first: int, last: int) -> float | None:
 
 
 def measure(bench: BenchStragglerConfig, ref: list[dict], got: list[dict]) -> dict:
-    survivor = next(r for r in got if r["rank"] != bench.slow_rank)
+    # A rank that ran in one process all along (a healthy rank taken for slow was replaced too).
+    survivor = next((r for r in got if r["rank"] != bench.slow_rank and not r["spare"]), None)
+    if survivor is None:
+        raise SystemExit("bench_straggler: every rank was handed over; no rank ran the whole job in one process")
     ends = {int(s): t for s, t in survivor["step_end"].items()}
+    ref_ends = {int(s): t for s, t in ref[survivor["rank"]]["step_end"].items()}
     recs = survivor["recoveries"]
     handover = next((r for r in recs if r.get("kind") == "handover"), None)
     before = [ends[s] - ends[s - 1] for s in range(2, bench.slow_step) if s in ends and s - 1 in ends]
     result = {"slow_rank": bench.slow_rank, "slow_step": bench.slow_step, "factor": bench.factor,
               "stragglers": {"factor": bench.hotspare.stragglers.factor, "window": bench.hotspare.stragglers.window},
               "median_step_s": statistics.median(before), "steps_per_s_before": rate(ends, 1, bench.slow_step - 1),
-              "handed_over": handover is not None, "recoveries": len(recs)}
+              "handed_over": handover is not None, "recoveries": len(recs),
+              "handovers": sum(1 for r in recs if r.get("kind") == "handover")}
     if handover is not None:
         landed = handover["version"]
         around = [ends[s] - ends[s - 1] for s in range(landed - 1, landed + 3) if s in ends and s - 1 in ends]
@@ -92,12 +103,17 @@ def measure(bench: BenchStragglerConfig, ref: list[dict], got: list[dict]) -> di
                       steps_per_s_slow=rate(ends, bench.slow_step, landed - 1),
                       steps_per_s_after=rate(ends, landed + 2, bench.train.steps - 1),
                       handover_pause_s=max(around), handover_total_s=handover["total_s"])
+        last = bench.train.steps - 1
+        late = max(landed + 2, last - (last - landed) // 2)
+        result.update(steps_per_s_late=rate(ends, late, last), ref_steps_per_s_late=rate(ref_ends, late, last))
+        if result["steps_per_s_late"] and result["ref_steps_per_s_late"]:
+            result["late_vs_uninterrupted"] = result["steps_per_s_late"] / result["ref_steps_per_s_late"]
         result["pause_beyond_step_s"] = result["handover_pause_s"] - result["median_step_s"]
         if result["steps_per_s_after"] and result["steps_per_s_before"]:
             result["after_vs_before"] = result["steps_per_s_after"] / result["steps_per_s_before"]
     result["bitwise_identical"] = all(
         statedigest.differences(a["state_digest"], b["state_digest"]) == []
-        and all(a["losses"].get(k) == v for k, v in b["losses"].items()) for a, b in zip(ref, got))
+        and all(a["losses"][k] == v for k, v in b["losses"].items() if k in a["losses"]) for a, b in zip(ref, got))
     return result
 
 

@@ -192,6 +192,49 @@ def test_the_coordinator_asks_a_straggler_to_hand_over_only_when_a_spare_can_tak
     assert len(plane.store.handovers(0)[0]) == 1
 
 
+def test_the_steps_of_a_spares_start_and_of_a_recovery_do_not_count(plane):
+    """A successor spare's imports and model build compete for its node's CPUs: on 2 cores a
+    healthy rank looked 2.2x slower for 3 steps while one started, and was handed over. While a
+    spare starts, and after a new generation, the steps so far are set aside: a straggler needs
+    ``window`` fresh slow steps."""
+    from hotspare import control
+
+    now = [0.0]
+    watch = stragglers.StragglerWatch(plane.store, lambda: now[0], lambda line: None)
+    plane.store.publish_stragglers(control.StragglerPolicy(factor=2.0, window=3))
+    plan = control.Plan(0, 4, {str(r): f"a{r}" for r in range(4)})
+
+    def look(settling=False, plan=plan):
+        now[0] += stragglers.LOOK_S
+        watch.look(plan, lambda rank: True, settling=settling)
+        return [o.worker for o in plane.store.handovers(0)[0]]
+
+    for r in range(4):  # rank 2 slow in steps 0-3, while a spare starts
+        report(plane.store, f"a{r}", 0.3 if r == 2 else 0.1)
+    assert look(settling=True) == []
+    for r in range(4):  # healthy again, two more steps: nothing fresh is slow
+        report(plane.store, f"a{r}", 0.1, steps=range(4, 6))
+    assert look() == [] and look() == []
+    for r in range(4):  # slow for real now: three fresh steps
+        report(plane.store, f"a{r}", 0.3 if r == 2 else 0.1, steps=range(6, 9))
+    assert look() == ["a2"]
+
+
+def test_a_starting_spare_counts_until_it_is_ready_or_for_at_most_its_bound(plane):
+    from hotspare import control
+    from hotspare.spares import STARTING_S, Spares
+
+    spares = Spares(plane.store, {0, 1}, set, lambda line: None)
+    assert not spares.starting(0.0)
+    spares.add([control.Spare("s1.1", 1)])
+    assert spares.starting(0.0) and spares.starting(STARTING_S - 1)
+    assert not spares.starting(STARTING_S + 1)  # not waited for any longer
+    spares.add([control.Spare("s0.1", 0)])
+    assert spares.starting(STARTING_S + 1)
+    plane.store.set_ready("s0.1", control.SPARE_ANY)
+    assert not spares.starting(STARTING_S + 2)
+
+
 def test_a_strangers_compute_times_and_policy_are_not_read(plane):
     from hotspare import control
 
@@ -324,8 +367,13 @@ def test_a_recovery_between_a_handover_order_and_the_step_boundary_voids_it_and_
     watch.look(plan0, lambda rank: True)
     [first] = plane.store.handovers(0)[0]
     assert (first.worker, first.generation) == ("a1", 0) and watch.asked == {"a1"}
-    # Rank 3 fails and takes the spare (generation 1): a1 is still slow, asked again once a spare can take it.
+    # Rank 3 fails and takes the spare (generation 1): a1 is still slow in the new generation's
+    # steps, and is asked again once a spare can take it.
     plan1 = control.Plan(1, 4, {**plan0.workers, "3": "s1.0"}, replaced={"3": "s1.0"})
+    now[0] += stragglers.LOOK_S
+    watch.look(plan1, lambda rank: True)  # a recovery: the steps so far are set aside
+    for r in range(4):
+        report(plane.store, plan1.workers[str(r)], 0.3 if r == 1 else 0.1, steps=range(4, 8))
     now[0] += stragglers.LOOK_S
     watch.look(plan1, lambda rank: False)
     assert len(plane.store.handovers(0)[0]) == 1
@@ -363,6 +411,16 @@ def test_a_recovery_between_a_handover_order_and_the_step_boundary_voids_it_and_
     handover.disarm()
     model(torch.zeros(2))
     assert retired == [1]
+    # Asked in the generation this rank is about to join (the coordinator planned it first): kept.
+    handover.armed = False
+    session.generation = Generation(0, 1, 4)
+    handover.requested.set()
+    handover.after_step(10)
+    assert not handover.armed and handover.requested.is_set()
+    session.generation = Generation(1, 1, 4)
+    handover.after_step(11)
+    assert handover.armed
+    handover.disarm()
     # A recovery before the next forward voids an armed order too.
     handover.requested.set()
     handover.after_step(10)

@@ -8,6 +8,10 @@ from collections.abc import Callable
 
 from . import control
 
+STARTING_S = 120.0
+"""How long a registered spare that is not ready yet counts as starting (the straggler watch sets
+the steps meanwhile aside); one that takes longer is not waited for."""
+
 
 class Spares:
     """``store``: the control store; ``homes``: the nodes that hold ranks at the start; ``off()``:
@@ -20,6 +24,7 @@ class Spares:
         self.slow_nodes: set[int] = set()
         """Nodes a straggler ran on: their spares are taken last (``choose_spares``' ``avoid``)."""
         self._scope: dict[str, str] = {}  # ready spare -> control.SPARE_LOCAL or SPARE_ANY (what it said)
+        self._since: dict[str, float] = {}  # spare -> when it was first seen registered and not ready
 
     def add(self, spares) -> None:
         self.registered += [(s.worker, s.node) for s in spares]
@@ -35,6 +40,18 @@ class Spares:
         """Registered spares that wait for an order (imports done, model built), off no node."""
         off = self.off()
         return [s for s in self.registered if s[1] not in off and self.store.is_ready(s[0])]
+
+    def starting(self, now: float) -> bool:
+        """Whether a spare is starting: registered (a successor is registered when its
+        predecessor is promoted) and not ready yet, for at most :data:`STARTING_S` since first
+        seen so. Its imports and model build compete for its node's CPUs."""
+        off = self.off()
+        for wid, node in self.registered:
+            if node in off or self.store.is_ready(wid):
+                continue
+            if now - self._since.setdefault(wid, now) < STARTING_S:
+                return True
+        return False
 
     def local_only(self, ready: list[tuple[str, int]]) -> set[str]:
         """The ready spares that may take only a rank of their own node (what each said in

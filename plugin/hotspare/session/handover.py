@@ -89,6 +89,9 @@ class Handover:
                 self._newest = max(self._newest, order.generation)
         if self._newest == s.generation.index:
             return True
+        if self._newest > s.generation.index:  # asked in the generation this rank is about to join
+            self.requested.set()  # (its step fails, and the next one completes there)
+            return False
         log(f"rank {s.generation.rank}: a handover was asked in generation {self._newest}, and a recovery came "
             f"before this step boundary (generation {s.generation.index} now): the order is void and this rank "
             f"stays; the coordinator asks again if it still stands")
