@@ -402,6 +402,9 @@ def test_a_recovery_between_a_handover_order_and_the_step_boundary_voids_it_and_
     handover.requested.set()
     handover.after_step(8)
     assert handover.armed and retired == []
+    with torch.no_grad():
+        model(torch.zeros(2))  # an evaluation: not a step
+    assert retired == []
     model(torch.zeros(2))
     assert retired == [1]
     # Asked during the job's last step: the loop ends (steps() disarms), and a forward after it does not leave.

@@ -23,6 +23,8 @@ import signal
 import sys
 import threading
 
+import torch
+
 from .. import control, env
 from ..events import log
 from ..stragglers import ComputeClock
@@ -69,7 +71,9 @@ class Handover:
             self.armed = self.standing()
 
     def _step_begins(self, module, args) -> None:
-        if self.armed:
+        # A training forward only: an evaluation under no_grad (between steps, or after the loop
+        # of a script that does not use steps()) does not carry the rank away.
+        if self.armed and torch.is_grad_enabled():
             self.retire()
 
     def disarm(self) -> None:
