@@ -204,7 +204,8 @@ class Coordinator:
             lost = ", ".join(f"rank {f.rank} ({describe_exit(f.code) if f.reason == 'exit' else 'hung'})"
                              for f in failures)
             per_node = max(collections.Counter(dead.values()).values())
-            bound = " (on an accelerator a spare takes only a rank of its own node)" if self.spares.local_only(ready) else ""
+            local = self.spares.local_only(ready)
+            bound = " (on an accelerator a spare takes only a rank of its own node)" if local else ""
             reason = (f"{lost} failed and only {len(ready)} ready spare(s) remain{bound}; to survive {len(dead)} "
                       f"failures at once ({per_node} on one node) start hotspare-run with --spares-per-node >= "
                       f"{max(per_node, self.spec.spares_per_node + 1)}")
