@@ -147,10 +147,11 @@ def test_gloo_wakes_no_transfer_cut_mid_payload_and_the_break_lets_it_land():
 
 def test_a_send_posted_just_after_the_break_fails_at_once_instead_of_at_the_timeout():
     """Issue 32's stuck tensor-parallel survivor. Pins torch 2.13's gloo: a send written at once
-    (its peer's receive already posted) into a connection whose writing side was just shut waits
-    out the group's timeout, though its peer was told and left. ``break_connections`` shuts the
-    reading side first and the writing side once gloo closed the pair: the same send fails at
-    once."""
+    (its peer's receive already posted) into a connection whose writing side was just shut, and
+    whose end of file gloo reads only after it (the old break's race, made certain here: the
+    receiver is stopped, the reading side shut after the send), waits out the group's timeout.
+    ``break_connections`` shuts the reading side first and the writing side once gloo closed the
+    pair: the same send fails at once (tests/workers/sendafterbreak.py)."""
     import subprocess
 
     worker = os.path.join(os.path.dirname(__file__), "workers", "sendafterbreak.py")
