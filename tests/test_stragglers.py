@@ -206,7 +206,7 @@ def test_the_steps_of_a_spares_start_and_of_a_recovery_do_not_count(plane):
 
     def look(settling=False, plan=plan):
         now[0] += stragglers.LOOK_S
-        watch.look(plan, lambda rank: True, settling=settling)
+        watch.look(plan, lambda rank: True, settling=lambda: settling)
         return [o.worker for o in plane.store.handovers(0)[0]]
 
     for r in range(4):  # rank 2 slow in steps 0-3, while a spare starts

@@ -141,7 +141,7 @@ class Coordinator:
         self._kill_stuck_members()
         if not self._pending:
             self.drains.look(plan := self._current_plan(), self._can_take)  # ranks moved on purpose
-            self.stragglers.look(plan, self._can_take, settling=self.spares.starting(self.clock()))
+            self.stragglers.look(plan, self._can_take, settling=lambda: self.spares.starting(self.clock()))
         if not self._pending or (self.clock() - self._pending_since < self.spec.settle_s
                                  and not self._all_accounted()):
             return

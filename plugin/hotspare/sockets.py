@@ -124,9 +124,6 @@ class Broken(NamedTuple):
     forced: int
     """Of those, the ones still carrying a payload when ``drain_s`` ran out: a collective moving
     it waits out its group's timeout on both ends (gloo does not wake it)."""
-    unclosed: int = 0
-    """Of those, the ones whose owner had not closed its descriptor :data:`CLOSE_WAIT_S` after
-    their reading side was shut (not gloo's, or its loop not scheduled in time)."""
 
 
 def _held(inodes: set[int], mine: set[int]) -> set[int]:
@@ -159,7 +156,7 @@ def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> Broken:
     side once the owner closed its descriptor, or after :data:`CLOSE_WAIT_S`."""
     socks = _connections(keep_ports)
     mine = {sock.fileno() for sock in socks}
-    count = forced = unclosed = 0
+    count = forced = 0
     deadline = time.monotonic() + drain_s
     reading_shut: dict[socket.socket, tuple[int, float]] = {}  # sock -> (inode, when)
     try:
@@ -189,7 +186,6 @@ def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> Broken:
                     late = now - when >= CLOSE_WAIT_S
                     if inode in held and not late:
                         continue
-                    unclosed += inode in held
                     try:
                         sock.shutdown(socket.SHUT_WR)
                     except OSError:
@@ -200,7 +196,7 @@ def break_connections(keep_ports: set[int], drain_s: float = DRAIN_S) -> Broken:
     finally:
         for sock in socks:
             sock.close()  # the duplicate only
-    return Broken(count, forced, unclosed)
+    return Broken(count, forced)
 
 
 def abort_nccl(groups) -> None:

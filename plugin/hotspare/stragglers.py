@@ -171,9 +171,10 @@ class StragglerWatch:
         """The workers asked to hand over as stragglers."""
         return set(self._asked)
 
-    def look(self, plan, can_take, settling: bool = False) -> None:
+    def look(self, plan, can_take, settling=lambda: False) -> None:
         """``plan``: the current generation's; ``can_take(rank)``: whether a ready spare can take it;
-        ``settling``: a spare is starting (the steps meanwhile do not count)."""
+        ``settling()``: whether a spare is starting (the steps meanwhile do not count; asked only
+        when a look is due)."""
         now = self.clock()
         if now < self._next:
             return
@@ -190,7 +191,7 @@ class StragglerWatch:
             if compute is not None:
                 reports[int(rank)] = {s["step"]: s["seconds"] for s in compute.samples}
                 peers[int(rank)], workers[int(rank)] = compute.stage, wid
-        if settling or plan.generation != self._generation:
+        if plan.generation != self._generation or settling():
             self._generation = plan.generation
             self._fresh_after = max((s for steps in reports.values() for s in steps), default=self._fresh_after)
             return
