@@ -269,6 +269,9 @@ def test_a_plan_that_stops_the_job_is_said_on_every_node(job, tmp_path, capfd):
     node1.open_store()
     failure = json.loads(control.messages.to_json(FAILURE))
     plane.write_plan(control.Plan(1, 2, {"0": "a0", "1": "a1"}, failures=[failure], abort="rank 1 failed, no spare"))
+    # TCPStore's set is not answered: a read on the writer's own connection orders it before
+    # node 1's read on another (seen under load: node 1 looked first and found no plan).
+    assert plane.has_plan(1)
     node1._follow_plans()
     assert node1.exit_code == 137 and "rank 1 failed, no spare" in node1.exit_cause
     assert "[hotspare-run] the coordinator stopped the job: rank 1 failed, no spare" in capfd.readouterr().err
